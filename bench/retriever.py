@@ -137,7 +137,8 @@ def main():
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--lines", type=int, default=1_000_000, help="corpus lines for the RSS benchmark")
     args = ap.parse_args()
-    print(f"machine: {os.cpu_count()} CPUs")
+    import faiss
+    print(f"machine: {os.cpu_count()} CPUs; faiss-cpu {faiss.__version__}, numpy {np.__version__}")
     bench_search(args.n, args.dim, args.topk)
     bench_corpus(args.lines)
 

@@ -248,13 +248,14 @@ def test_remote_client_unreachable_is_clear():
 
 # --- the embedded default (integration) ----------------------------------------------------------
 @pytest.mark.integration
-def test_default_encoder_retrieves_toy_passages_by_their_own_text():
-    corpus = R.Corpus()
-    enc = R.Encoder("default")
-    assert enc.dim == 384 and enc.query_prefix == ""
-    sample = list(range(0, len(corpus), max(1, len(corpus) // 40)))
-    texts = [corpus[i]["contents"] for i in sample]
-    index = faiss.IndexFlatIP(enc.dim)
-    index.add(enc.encode([corpus[i]["contents"] for i in range(len(corpus))], kind="passage"))
-    r = R.Retriever(corpus, index, enc)
-    assert [h[0].id for h in r.search(texts, 1)] == [corpus[i]["id"] for i in sample]
+def test_default_retriever_resolves_builds_and_finds_supporting_passages():
+    r = R.open_retriever()  # embedded default: toy corpus, MiniLM, index built or read from cache
+    assert r.encoder.dim == 384 and r.encoder.query_prefix == "" and r.index.ntotal == len(r.corpus) == 3000
+    sample = list(range(0, len(r.corpus), 75))
+    texts = [r.corpus[i]["contents"] for i in sample]
+    assert [h[0].id for h in r.search(texts, 1)] == [str(i) for i in sample]
+    rows = [json.loads(line) for line in open(os.path.join(os.path.dirname(R.DEFAULT_CORPUS), "test.jsonl"))]
+    single = [row for row in rows if row["metadata"]["type"] == "single"][:40]
+    found = [bool(set(row["metadata"]["supporting_ids"]) & {h.id for h in hits})
+             for row, hits in zip(single, r.search([row["question"] for row in single], 5))]
+    assert sum(found) / len(found) >= 0.8  # the toy questions are answerable by search
