@@ -461,7 +461,7 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
             elif agent == "memsearcher":
                 updating.append((t, c))
         # Phase 2 (MemSearcher): read the results and rewrite the memory.
-        outputs = gen([c.prompt_ids + c.response_ids for _, c in updating])
+        outputs = gen([c.prompt_ids + c.response_ids for _, c in updating]) if updating else []
         for (t, c), out in zip(updating, outputs):
             c.append(out.ids, trained=True, logprobs=out.logprobs)
             text = decode(out.ids)
@@ -484,6 +484,43 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
         ends = bool(final.response_ids) and final.response_ids[-1] in end_of_turn
         t.reward = compute_reward(decode(final.prompt_ids + final.response_ids), ends, t.golden_answers)
     return trajectories
+
+
+def load_questions(path: str) -> list[dict]:
+    """Question rows as {"id", "question", "golden_answers", "dataset"} from FlashRAG jsonl
+    ({"id", "question", "golden_answers": [...]}) or Search-R1 parquet (`question`, `data_source`,
+    `golden_answers` or `reward_model.ground_truth.target`). A bad row is an error naming file and row."""
+    dataset = os.path.splitext(os.path.basename(path))[0]
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
+        rows = [(k + 1, r) for k, r in enumerate(pq.read_table(path).to_pylist())]
+    else:
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for k, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((k, json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
+    questions = []
+    for k, row in rows:
+        golds = row.get("golden_answers") if isinstance(row, dict) else None
+        if golds is None and isinstance(row, dict):
+            golds = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
+        golds = [golds] if isinstance(golds, str) else golds
+        question = row.get("question") if isinstance(row, dict) else None
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f"{path}:{k}: missing or empty `question`")
+        if not isinstance(golds, (list, tuple)) or not golds or not all(isinstance(g, str) for g in golds):
+            raise ValueError(f"{path}:{k}: `golden_answers` must be a non-empty list of strings")
+        source = row.get("data_source") or dataset
+        questions.append({"id": str(row.get("id", f"{source}_{k}")), "question": question.strip(),
+                          "golden_answers": list(golds), "dataset": str(source)})
+    return questions
 
 
 # ---------------------------------------------------------------------------------------------

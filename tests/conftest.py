@@ -27,3 +27,49 @@ def tiny_encoder_dir(tmp_path_factory):
                         intermediate_size=64, max_position_embeddings=256)
     BertModel(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded default's ChatML tokenizer (read from its GGUF file; no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    import agent
+
+    folder, name = os.path.split(agent.default_model_file())
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tok.padding_side = "left"
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tokenizer):
+    """A 2-layer random Llama over the default tokenizer's vocabulary, float32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tiny_lm, tokenizer, tmp_path_factory):
+    """The tiny model and the default tokenizer saved as a folder, loadable by `agent.load_model`."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_lm.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, tiny_encoder_dir):
+    """The first 200 toy passages, with their offset table and tiny-encoder index already cached."""
+    import retriever
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    with open(retriever.DEFAULT_CORPUS) as src:
+        path.write_text("".join(next(src) for _ in range(200)))
+    retriever.open_retriever(corpus=str(path), encoder=tiny_encoder_dir)
+    return str(path)

@@ -1,0 +1,222 @@
+"""Multi-context GRPO: the objective MemSearcher trains with (DESIGN.md §5).
+
+One attempt at a question is a *trajectory*; it is made of several *conversations* (one LLM
+context per turn). The G trajectories of one question form a *group*. The trajectory's single
+outcome reward becomes a group-normalised *advantage*, that advantage is copied to every
+conversation of the trajectory, and each conversation is then an independent sample of a
+per-token PPO objective with its own loss mask.
+
+    1. group_advantages      A_i  = (R_i - mean(R_group)) / (std(R_group) + eps)
+    2. propagate_advantages  A_ij = A_i
+    3. token_logprobs        log pi(x_t | x_<t), memory-lean (never a float32 [B, L, V] copy)
+    4. policy_loss           clipped surrogate (dual clip) + kl_coef * KL(k3) - entropy bonus
+
+Pure tensor math: this file imports torch and the standard library only.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Trajectory-level advantages
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards, group_ids, eps: float = 1e-6) -> torch.Tensor:
+    """One advantage per trajectory, normalised within its group (GRPO, Shao et al. 2024):
+
+        A_i = (R_i - mean({R_1..R_G})) / (std({R_1..R_G}) + eps),  std unbiased (divisor G - 1)
+
+    `rewards` [N] (tensor or list); `group_ids` [N]: the question id of each trajectory. Groups
+    are keyed by id, not by position, and may come in any order. A group whose rewards are all
+    equal carries no signal and gets A = 0. A group of one member is an error (GRPO needs G >= 2).
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if torch.is_tensor(group_ids):
+        group_ids = group_ids.tolist()
+    if len(group_ids) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
+    members = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        members[g].append(i)
+    advantages = torch.zeros_like(rewards)
+    for g, idx in members.items():
+        if len(idx) < 2:
+            raise ValueError(f"group {g!r} has a single trajectory; GRPO needs G >= 2 per group")
+        r = rewards[idx]
+        if not bool((r == r[0]).all()):  # equal rewards: exactly 0, not round-off / eps
+            advantages[idx] = (r - r.mean()) / (r.std(unbiased=True) + eps)
+    return advantages
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Propagation: every conversation of a trajectory shares its advantage
+# ---------------------------------------------------------------------------------------------
+def propagate_advantages(advantages: torch.Tensor, conversation_trajectory_index) -> torch.Tensor:
+    """Multi-context GRPO's propagation step:  A_ij = A_i  for every conversation j of trajectory i.
+
+    `advantages` [N_trajectories]; `conversation_trajectory_index` [N_conversations]: for each
+    conversation, the index of its trajectory in `advantages`. Returns [N_conversations].
+    """
+    return advantages[torch.as_tensor(conversation_trajectory_index, device=advantages.device)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Token log-probabilities (and entropy) without a float32 [B, L, V] log-softmax
+# ---------------------------------------------------------------------------------------------
+CHUNK_ELEMENTS = 2**24  # rows per chunk = CHUNK_ELEMENTS // vocab: a 64 MB float32 slab at a time
+
+
+class _ChunkedLogProbEntropy(torch.autograd.Function):
+    """For each row n of logits z [N, V] (already in the model's dtype) and target y_n:
+
+        log p(y_n) = z_n[y_n]/T - logsumexp(z_n/T),   H_n = -sum_v p_v log p_v
+
+    computed and differentiated a chunk of rows at a time, in float32 (float64 stays float64).
+    Saves only the logits; backward recomputes softmax per chunk and writes the gradient into the
+    logits' own memory (a second backward through them would fail the version check, not corrupt):
+
+        d log p(y) / dz = (onehot(y) - p) / T,       dH / dz = -p (log p + H) / T
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy):
+        ctx.set_materialize_grads(False)
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logp = logits.new_empty(logits.shape[0], dtype=dtype)
+        entropy = logits.new_zeros(logits.shape[0], dtype=dtype)
+        for rows in _row_chunks(logits):
+            z = _scaled(logits[rows], dtype, temperature)
+            lse = z.logsumexp(-1)
+            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse
+            if with_entropy:  # H = lse - sum_v p_v z_v
+                entropy[rows] = lse - (torch.softmax(z, -1) * z).sum(-1)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature, ctx.dtype = temperature, dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, targets = ctx.saved_tensors
+        grad_logits = logits  # written in place, chunk by chunk: the logits are not needed after
+        for rows in _row_chunks(logits):
+            logq = torch.log_softmax(_scaled(logits[rows], ctx.dtype, ctx.temperature), -1)
+            p = logq.exp()
+            g_lp = grad_logp[rows, None] if grad_logp is not None else p.new_zeros(len(p), 1)
+            if grad_entropy is None:  # g = -p g_lp  (+ g_lp at the target, below)
+                g = p.mul_(-g_lp)
+            else:  # g = p (-g_H (log p + H) - g_lp)
+                h = -(p * logq).sum(-1, keepdim=True)
+                g = logq.add_(h).mul_(-grad_entropy[rows, None]).sub_(g_lp).mul_(p)
+            g.scatter_add_(-1, targets[rows, None], g_lp)
+            grad_logits[rows] = g.div_(ctx.temperature)
+        return grad_logits, None, None, None
+
+
+def _scaled(logits_chunk, dtype, temperature):
+    z = logits_chunk.to(dtype)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _row_chunks(logits: torch.Tensor):
+    step = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    return (slice(i, i + step) for i in range(0, logits.shape[0], step))
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *,
+                   response_start: int | None = None, return_entropy: bool = False):
+    """Log-probability of each token under the policy pi at sampling temperature T:
+
+        out[:, t] = log pi(x_t | x_<t) = log softmax(z_{t-1} / T)[x_t]      (t >= 1)
+
+    Alignment: the output is [B, L], aligned with `input_ids`; position t scores token t itself,
+    so a loss mask aligned with `input_ids` applies directly. Position 0 (no prefix) is 0, and so
+    is every t < `response_start`: with `response_start=s` the model only computes logits for
+    the last L - s + 1 positions (HF `logits_to_keep`), since prompts are never trained.
+
+    Left padding: position ids are `cumsum(attention_mask) - 1` clamped at 0. Values at padded
+    positions are meaningless; mask them. With `return_entropy=True` returns (logprobs, entropy),
+    entropy[:, t] = H(pi(. | x_<t)) aligned the same way (0 where logprobs are 0).
+    Memory: besides the model's own logits [B, L - s + 1, V] (in the model's dtype), only one
+    chunk of rows is upcast at a time, forward and backward, and the backward writes the logits'
+    gradient into the logits' own memory (so backward through an output once only). Outputs are
+    float32 (float64 for a float64 model).
+    """
+    B, L = input_ids.shape
+    start = 1 if response_start is None else max(1, int(response_start))
+    if start >= L:
+        raise ValueError(f"response_start={start} leaves no token to score in length {L}")
+    keep = L - start + 1  # logits at positions start-1 .. L-1 (the last one scores nothing)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": keep} if start > 1 else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, **extra).logits
+    if logits.shape[1] != keep:  # a model that ignores logits_to_keep (slicing would copy grads)
+        logits = logits[:, -keep:]
+    targets = F.pad(input_ids[:, start:], (0, 1))  # a dummy target for the unused last position
+    logp, entropy = _ChunkedLogProbEntropy.apply(
+        logits.reshape(B * keep, -1), targets.reshape(-1), float(temperature), return_entropy)
+    logp = F.pad(logp.view(B, keep)[:, :-1], (start, 0))
+    if not return_entropy:
+        return logp
+    return logp, F.pad(entropy.view(B, keep)[:, :-1], (start, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The per-token policy loss
+# ---------------------------------------------------------------------------------------------
+def policy_loss(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *,
+                clip_eps: float = 0.2, clip_ratio_c: float = 3.0, kl_coef: float = 0.001,
+                entropy=None, entropy_coef: float = 0.0, num_tokens=None):
+    """Per token t of each conversation, with r_t = pi(x_t) / pi_old(x_t) = exp(logp - old_logp):
+
+        L_clip = -min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)              (PPO, Schulman et al. 2017)
+        L_pg   = min(L_clip, c * |A|)  if A < 0  else  L_clip            (dual clip, Ye et al. 2020)
+        KL_t   = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]     (k3, as in GRPO)
+        l_t    = L_pg + kl_coef * KL_t - entropy_coef * H_t         (kl_coef is the papers' beta)
+
+        loss = sum_t mask_t * l_t / num_tokens
+
+    `advantages` is [B] (one per conversation, broadcast over tokens) or [B, T]. `num_tokens`
+    defaults to mask.sum(). To get the token-mean of a whole batch split into micro-batches, pass
+    every micro-batch the batch's trained-token count N and sum the losses (accumulate gradients).
+    Under DDP, which *averages* gradients over W ranks, pass N_all_ranks / W instead (or pass
+    N_all_ranks and scale the loss by W): both give exactly sum_tokens l_t / N_all_ranks.
+    Masked tokens do not matter at all, even if their inputs are inf or NaN; NaNs on trained
+    tokens propagate (the trainer detects them).
+    Returns (loss, metrics): metrics are float means over this call's masked tokens.
+    """
+    mask = loss_mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.expand_as(logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss_clip = torch.maximum(loss_unclipped, loss_clipped)
+    loss_pg = torch.where(advantages < 0, torch.minimum(loss_clip, -clip_ratio_c * advantages), loss_clip)
+    per_token = loss_pg
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
+        kl = (d.exp() - d - 1).clamp(-10.0, 10.0)
+        per_token = per_token + kl_coef * kl
+    if entropy is not None:
+        per_token = per_token - entropy_coef * entropy
+    n = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    loss = torch.where(mask, per_token, 0.0).sum() / n
+
+    with torch.no_grad():
+        def mean(x):
+            return (x.float() * mask).sum().item() / max(int(mask.sum()), 1)
+        metrics = {
+            "ratio": mean(ratio),
+            "clip_frac": mean(loss_clipped > loss_unclipped),
+            "dual_clip_frac": mean((advantages < 0) & (loss_clip > -clip_ratio_c * advantages)),
+            "kl": mean(kl),
+            "entropy": mean(torch.where(mask, entropy, 0.0)) if entropy is not None else 0.0,
+        }
+    return loss, metrics
