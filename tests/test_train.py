@@ -1,0 +1,106 @@
+"""train.py: one step, metrics and checkpoints, exact resume, two-process CPU run (torchrun, gloo)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
+           "context_tokens_mean", "context_tokens_max", "trained_tokens", "loss", "kl", "clip_frac", "entropy",
+           "grad_norm", "lr", "seconds_rollout", "seconds_reference", "seconds_update", "peak_memory_gb"}
+
+
+@pytest.fixture(scope="module")
+def yes_questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]}) + "\n"
+                            for i in range(8)))
+    return str(path)
+
+
+def base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **extra):
+    args = dict(model=tiny_lm_dir, corpus=small_corpus, encoder=tiny_encoder_dir, output_dir=str(out), preset="toy",
+                batch_size=2, group_size=2, mini_batch_size=1, micro_batch_size=2, max_new_tokens=12, max_turns=2,
+                lr=1e-3, save_every=1)
+    args.update(extra)
+    argv = []
+    for k, v in args.items():
+        argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
+    return argv
+
+
+def state(path):
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def test_config_errors_fail_fast(tmp_path):
+    for bad, message in [(["--group_size", "1"], "group_size must be >= 2"),
+                         (["--batch_size", "3", "--mini_batch_size", "2"], "multiple of --mini_batch_size"),
+                         (["--train_data", str(tmp_path / "none.jsonl")], "train_data not found")]:
+        with pytest.raises(SystemExit, match=message):
+            train.check_config(train.parse_args(bad), world_size=1)
+    with pytest.raises(SystemExit, match="divisible by the 3 processes"):
+        train.check_config(train.parse_args(["--batch_size", "4", "--mini_batch_size", "2"]), world_size=3)
+
+
+def test_presets_and_overrides():
+    toy = train.parse_args([])
+    paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
+    assert (toy.preset, paper.preset) == ("toy", "paper")
+    assert (paper.lr, paper.batch_size, paper.group_size, paper.mini_batch_size, paper.max_turns) == (1e-6, 256, 5, 128, 5)
+    assert (paper.kl_coef, paper.entropy_coef, paper.clip_eps, paper.clip_ratio_c, paper.top_k) == (0.001, 0.001, 0.2, 3.0, 10000)
+    assert train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct", "--lr", "3e-6"]).lr == 3e-6
+    assert paper.train_data == toy.train_data  # no paper default for data: the toy file unless given
+
+
+def test_one_step_changes_parameters_writes_metrics_and_checkpoint(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path):
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, mini_batch_size=2))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 1 and METRICS <= set(rows[0]) and rows[0]["trained_tokens"] > 0
+    assert rows[0]["ratio"] == pytest.approx(1.0, abs=1e-5)  # one update: old log-probs = the policy it starts from
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert samples and {"question", "turns", "reward", "end_reason"} <= set(samples[0])
+    after, before = state(tmp_path / "checkpoint-1"), state(tiny_lm_dir)
+    assert any(not torch.equal(after[k], before[k]) for k in before)
+    assert os.path.isfile(tmp_path / "checkpoint-1" / "tokenizer_config.json")
+    assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path))
+
+
+def test_resume_reproduces_the_next_step(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
+    common = dict(train_data=yes_questions, kl_coef=0.01)
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "straight", max_steps=2, **common))
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=1, **common))
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=2, resume=True, **common))
+    a, b = state(tmp_path / "straight" / "checkpoint-2"), state(tmp_path / "resumed" / "checkpoint-2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], state(tmp_path / "straight" / "checkpoint-1")[k]) for k in a)
+    rows = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_two_processes_with_unequal_conversations(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
+    out = tmp_path / "ddp"
+    argv = base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=2, train_data=yes_questions,
+                     batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.join(ROOT, "tests", "scripted_policy.py"), *argv]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    # rank 0 answers at once (1 conversation per trajectory), rank 1 searches twice first (3)
+    assert [r["conversations_per_trajectory"] for r in rows] == [2.0, 2.0]
+    assert all(r["searches"] == 1.0 for r in rows)
+    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert not all(torch.equal(a, b) for a, b in zip(p0, AutoModelForCausalLM.from_pretrained(tiny_lm_dir).parameters()))

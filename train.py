@@ -1,0 +1,339 @@
+"""Train a MemSearcher agent end to end with multi-context GRPO.
+
+    accelerate launch train.py                                  # embedded default, toy data, any machine
+    accelerate launch train.py --model Qwen/Qwen2.5-3B-Instruct --train_data nq_hotpotqa_train.parquet \\
+        --retriever_url http://host:8000                        # the paper's settings (preset `paper`)
+    torchrun --nproc_per_node 2 train.py --max_steps 2          # two CPU processes (gloo)
+
+1. configuration   2. set-up (model, reference, optimizer, search tool, data)   3. helpers
+4. the loop: rollout -> rewards -> group advantages -> old/ref log-probs -> PPO epochs of
+   mini-batches of micro-batches -> metrics and checkpoints.
+"""
+import argparse
+import contextlib
+import copy
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+import agent
+import grpo
+import retriever
+
+# ---------------------------------------------------------------------------------------------
+# 1. Configuration: (flag, toy preset, paper preset, help). Explicit flags override the preset.
+# ---------------------------------------------------------------------------------------------
+HYPERPARAMETERS = [
+    ("model", "default", "Qwen/Qwen2.5-3B-Instruct", "policy: `default` (embedded SmolLM2-135M) or an HF name/path; paper: Qwen2.5-3B/7B-Instruct"),
+    ("train_data", os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy", "train.jsonl"), None,
+     "FlashRAG jsonl or Search-R1 parquet; paper: NQ + HotpotQA train"),
+    ("agent", "memsearcher", "memsearcher", "memsearcher, or react (the baseline, one growing conversation)"),
+    ("max_steps", 4, 660, "optimizer steps (each: one batch of questions); paper: 1 epoch = ~660"),
+    ("batch_size", 4, 256, "questions per step, over all ranks; paper: 256"),
+    ("group_size", 4, 5, "G, trajectories per question; paper: 5"),
+    ("mini_batch_size", 4, 128, "questions' worth of conversations per optimizer update; paper: 128"),
+    ("micro_batch_size", 4, 4, "conversations per forward/backward (memory knob, not math)"),
+    ("ppo_epochs", 1, 1, "passes over a step's conversations; paper: 1"),
+    ("lr", 1e-5, 1e-6, "AdamW learning rate, constant; paper: 1e-6"),
+    ("weight_decay", 0.01, 0.01, "AdamW weight decay; paper: 0.01"),
+    ("grad_clip", 1.0, 1.0, "max global gradient norm; paper: 1.0"),
+    ("clip_eps", 0.2, 0.2, "PPO ratio clip epsilon; paper: 0.2"),
+    ("clip_ratio_c", 3.0, 3.0, "dual-clip bound c for negative advantages; paper: 3"),
+    ("kl_coef", 0.001, 0.001, "k3 KL-to-reference coefficient (0 skips the reference model); paper: 0.001"),
+    ("entropy_coef", 0.001, 0.001, "entropy bonus coefficient; paper: 0.001"),
+    ("max_turns", 3, 5, "turns per trajectory in training; paper: 5"),
+    ("max_new_tokens", 128, 512, "tokens per generation; paper: 512"),
+    ("max_memory_tokens", 1024, 1024, "memory cap in tokens; paper: 1024"),
+    ("temperature", 1.0, 1.0, "sampling temperature; paper: 1.0"),
+    ("top_p", 0.99, 0.99, "nucleus sampling; paper: 0.99"),
+    ("top_k", 10000, 10000, "top-k sampling; paper: 10000"),
+    ("retriever_url", None, None, "a /retrieve server (ours or Search-R1's) shared by all ranks; else a local index"),
+    ("corpus", None, None, "local corpus jsonl (default: data/toy/corpus.jsonl); paper: wiki-18.jsonl"),
+    ("index", None, None, "local FAISS index (default: built beside the corpus); paper: e5_Flat.index"),
+    ("encoder", None, None, "retrieval encoder (default: embedded MiniLM); paper: intfloat/e5-base-v2"),
+    ("output_dir", "runs/memsearcher", "runs/memsearcher", "checkpoints, metrics.jsonl, samples.jsonl"),
+    ("save_every", 2, 20, "checkpoint every N steps (and at the end)"),
+    ("keep_checkpoints", 2, 3, "how many newest checkpoints to keep"),
+    ("resume", False, False, "continue from the newest checkpoint in output_dir"),
+    ("gradient_checkpointing", False, True, "recompute activations in the update to save memory"),
+    ("samples_per_step", 2, 4, "trajectories per step written to samples.jsonl"),
+    ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
+    ("seed", 0, 0, "data order, sampling (offset per rank and step), initialisation"),
+]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=["toy", "paper"], default=None,
+                    help="defaults to use: toy (embedded model, CPU-sized) unless --model names another model")
+    for name, toy, paper, help_ in HYPERPARAMETERS:
+        kind = {bool: "flag", int: int, float: float}.get(type(toy), str)
+        if kind == "flag":
+            ap.add_argument(f"--{name}", action="store_true", default=None, help=help_)
+        else:
+            ap.add_argument(f"--{name}", type=kind, default=None, help=f"{help_} (toy: {toy}; paper: {paper})")
+    args = ap.parse_args(argv)
+    preset = args.preset or ("toy" if args.model in (None, "default") else "paper")
+    for name, toy, paper, _ in HYPERPARAMETERS:
+        if getattr(args, name) is None:
+            value = toy if preset == "toy" or (name == "train_data" and paper is None) else paper
+            setattr(args, name, value)
+    args.preset = preset
+    return args
+
+
+def check_config(args, world_size):
+    """Fail fast, before loading anything large."""
+    problems = []
+    if args.group_size < 2:
+        problems.append(f"--group_size must be >= 2 (GRPO compares trajectories within a group), got {args.group_size}")
+    if args.batch_size % world_size:
+        problems.append(f"--batch_size {args.batch_size} must be divisible by the {world_size} processes (groups never split across ranks)")
+    if args.batch_size % args.mini_batch_size:
+        problems.append(f"--batch_size {args.batch_size} must be a multiple of --mini_batch_size {args.mini_batch_size}")
+    if not os.path.isfile(args.train_data):
+        problems.append(f"--train_data not found: {args.train_data}")
+    if problems:
+        raise SystemExit("train.py: bad configuration:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Helpers: padding conversations into micro-batches, log-probs, checkpoints
+# ---------------------------------------------------------------------------------------------
+def pad_batch(conversations, pad_id, device, fields=()):
+    """Left-pad prompt+response; returns input_ids, attention_mask, response_start, and each
+    per-response-token field (e.g. loss_mask, old logprobs) right-aligned to [B, L]."""
+    seqs = [c.prompt_ids + c.response_ids for c in conversations]
+    width = max(map(len, seqs))
+    response_start = width - max(len(c.response_ids) for c in conversations)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    out = {name: torch.zeros((len(seqs), width), dtype=torch.float32) for name in fields}
+    for i, (s, c) in enumerate(zip(seqs, conversations)):
+        ids[i, width - len(s):] = torch.tensor(s)
+        attn[i, width - len(s):] = 1
+        for name in fields:
+            out[name][i, width - len(c.response_ids):] = torch.as_tensor(getattr(c, name), dtype=torch.float32)
+    return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
+
+
+@torch.no_grad()
+def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature):
+    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors)."""
+    was_training = model.training
+    model.eval()
+    result = []
+    for s in range(0, len(conversations), micro_batch_size):
+        chunk = conversations[s:s + micro_batch_size]
+        ids, attn, start, _ = pad_batch(chunk, pad_id, device)
+        lp = grpo.token_logprobs(model, ids, attn, temperature, response_start=start).float().cpu()
+        result += [lp[i, lp.shape[1] - len(c.response_ids):] for i, c in enumerate(chunk)]
+    model.train(was_training)
+    return result
+
+
+def save_checkpoint(accelerator, model, tokenizer, args, step):
+    """checkpoint-<step>/: the policy (save_pretrained + tokenizer, loadable by transformers and
+    vLLM) and state/ (optimizer, RNG, step). Written as a temporary folder, then renamed."""
+    final = os.path.join(args.output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(os.path.join(tmp, "state"))
+    state_dict = accelerator.get_state_dict(model)  # gathered under FSDP / DeepSpeed ZeRO-3
+    accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process,
+                                                    save_function=accelerator.save, state_dict=state_dict)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "args": vars(args)}, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in list_checkpoints(args.output_dir)[:-args.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def list_checkpoints(output_dir):
+    paths = [p for p in glob.glob(os.path.join(output_dir, "checkpoint-*")) if not p.endswith(".tmp")
+             and os.path.isfile(os.path.join(p, "trainer_state.json"))]
+    return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[1]))
+
+
+def step_questions(questions, step, batch_size, seed):
+    """The step's batch: consecutive slices of a seeded shuffle, reshuffled every epoch."""
+    per_epoch = len(questions) // batch_size
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(len(questions)))
+    random.Random(seed + epoch).shuffle(order)
+    return [questions[i] for i in order[k * batch_size:(k + 1) * batch_size]]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 + 4. Set-up and the training loop
+# ---------------------------------------------------------------------------------------------
+def main(argv=None, generate_fn=agent.generate):
+    args = parse_args(argv)
+    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
+    accelerator = Accelerator(cpu=multi_cpu, log_with=args.report_to.split(",") if args.report_to else None)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    check_config(args, world)
+    questions = agent.load_questions(args.train_data)
+    if len(questions) < args.batch_size:
+        raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
+    set_seed(args.seed)
+    with accelerator.main_process_first():  # the main process builds a missing index cache first
+        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url,
+                                          device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
+    if args.retriever_url:  # fail fast if the server is not there
+        search.search(["ping"], 1)
+
+    model, tokenizer = agent.load_model(args.model, dtype=torch.float32)  # fp32 master weights
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if reference is not None:
+        reference.to(accelerator.device)
+    policy = accelerator.unwrap_model(model)
+    pad_id, device = tokenizer.pad_token_id, accelerator.device
+
+    start_step = 0
+    if args.resume and list_checkpoints(args.output_dir):
+        last = list_checkpoints(args.output_dir)[-1]
+        accelerator.load_state(os.path.join(last, "state"))
+        start_step = json.load(open(os.path.join(last, "trainer_state.json")))["step"]
+        accelerator.print(f"resumed from {last} (step {start_step})")
+    os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None})
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+               disable=not accelerator.is_main_process, desc="steps")
+
+    for step in bar:
+        # --- rollout: this rank's share of the step's questions, G trajectories each ----------
+        t0 = time.time()
+        batch = step_questions(questions, step, args.batch_size, args.seed)
+        share = args.batch_size // world
+        mine = batch[rank * share:(rank + 1) * share]
+        torch.manual_seed(args.seed * 100003 + step * world + rank)  # sampling differs per rank and step
+        trajectories = agent.rollout(
+            policy, tokenizer, mine, search, agent=args.agent, group_size=args.group_size, max_turns=args.max_turns,
+            max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn)
+        t_rollout = time.time() - t0
+
+        # --- rewards -> group advantages -> one advantage per conversation (A_ij = A_i) -------
+        advantages = grpo.group_advantages([t.reward for t in trajectories], [t.qid for t in trajectories])
+        conversations = [c for t in trajectories for c in t.conversations]
+        owner = [i for i, t in enumerate(trajectories) for _ in t.conversations]
+        conversation_advantages = grpo.propagate_advantages(advantages, owner)
+
+        # --- old log-probs (policy, before any update) and reference log-probs ----------------
+        t0 = time.time()
+        old = response_logprobs(policy, conversations, pad_id, device, args.micro_batch_size, args.temperature)
+        ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
+               if reference is not None else None)
+        t_reference = time.time() - t0
+        for k, c in enumerate(conversations):  # attach what the update reads, per conversation
+            c.old_logprobs, c.advantage = old[k].tolist(), float(conversation_advantages[k])
+            c.ref_logprobs = ref[k].tolist() if ref is not None else c.old_logprobs
+            c.advantages = [c.advantage] * len(c.response_ids)
+
+        # --- PPO epochs: mini-batches (one optimizer step each) of micro-batches ---------------
+        t0 = time.time()
+        model.train()
+        n_mini = args.batch_size // args.mini_batch_size
+        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "ratio": 0.0}
+        grad_norms, skipped = [], 0
+        for epoch in range(args.ppo_epochs):
+            order = list(range(len(conversations)))
+            random.Random(args.seed * 7919 + step * 31 + epoch * 7 + rank).shuffle(order)
+            for m in range(n_mini):
+                mini = sorted((conversations[i] for i in order[m::n_mini]), key=len)  # similar lengths together
+                local_tokens = sum(sum(c.loss_mask) for c in mini)
+                stats = torch.tensor([local_tokens, math.ceil(len(mini) / args.micro_batch_size)], device=device, dtype=torch.float64)
+                global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
+                n_micro = int(accelerator.reduce(stats[1:].clone(), "max").item())
+                for u in range(n_micro):  # every rank runs n_micro passes; missing ones weigh zero
+                    micro = mini[u * args.micro_batch_size:(u + 1) * args.micro_batch_size]
+                    weight = 1.0 if micro else 0.0
+                    micro = micro or conversations[:1]
+                    fields = ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")
+                    ids, attn, start, f = pad_batch(micro, pad_id, device, fields)
+                    sync = accelerator.no_sync(model) if u < n_micro - 1 else contextlib.nullcontext()
+                    with sync, accelerator.autocast():  # gradients are all-reduced on the last pass only
+                        logprobs, entropy = grpo.token_logprobs(model, ids, attn, args.temperature,
+                                                                response_start=start, return_entropy=True)
+                        loss, metrics = grpo.policy_loss(
+                            logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"] * weight,
+                            f["ref_logprobs"] if reference is not None else None, clip_eps=args.clip_eps,
+                            clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef, entropy=entropy,
+                            entropy_coef=args.entropy_coef, num_tokens=max(global_tokens, 1.0) / world)
+                        accelerator.backward(loss)  # DDP averages over ranks: sum_t l_t / N_all
+                    n_here = float((f["loss_mask"] * weight).sum())
+                    sums["loss"] += loss.item()
+                    for key in ("kl", "clip_frac", "entropy", "ratio"):
+                        sums[key] += metrics[key] * n_here
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
+                grad_norm = float(grad_norm)  # identical on every rank: computed from reduced gradients
+                if math.isfinite(grad_norm):
+                    optimizer.step()
+                else:  # skipped on all ranks together
+                    skipped += 1
+                    accelerator.print(f"warning: step {step + 1}: non-finite gradient norm, update skipped")
+                optimizer.zero_grad(set_to_none=True)
+                grad_norms.append(grad_norm)
+        t_update = time.time() - t0
+
+        # --- metrics over all ranks, samples, checkpoint ---------------------------------------
+        em = [agent.exact_match(t.prediction, t.golden_answers) for t in trajectories]
+        f1 = [agent.f1_score(t.prediction, t.golden_answers) for t in trajectories]
+        ctx = [n for t in trajectories for n in t.context_tokens] or [0]
+        trained = sum(sum(c.loss_mask) for c in conversations)
+        local = torch.tensor([
+            len(trajectories), sum(t.reward for t in trajectories), sum(em), sum(f1),
+            sum(t.reward > 0 for t in trajectories), sum(t.num_turns for t in trajectories),
+            sum(t.num_searches for t in trajectories), len(conversations), sum(ctx), len(ctx), trained,
+            sums["loss"], sums["kl"], sums["clip_frac"], sums["entropy"], sums["ratio"]], dtype=torch.float64, device=device)
+        total = accelerator.reduce(local, "sum").tolist()
+        ctx_max = accelerator.reduce(torch.tensor(float(max(ctx)), device=device), "max").item()
+        n, tok = total[0], max(total[10], 1)
+        peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else
+                int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+                if os.path.exists("/proc/self/status") else 0)
+        row = {"step": step + 1, "reward": total[1] / n, "em": total[2] / n, "f1": total[3] / n, "format_valid": total[4] / n,
+               "turns": total[5] / n, "searches": total[6] / n, "conversations_per_trajectory": total[7] / n,
+               "context_tokens_mean": total[8] / max(total[9], 1), "context_tokens_max": ctx_max, "trained_tokens": total[10],
+               "loss": total[11] / world / max(len(grad_norms), 1), "kl": total[12] / tok, "clip_frac": total[13] / tok,
+               "entropy": total[14] / tok, "ratio": total[15] / tok, "grad_norm": sum(grad_norms) / len(grad_norms),
+               "skipped_updates": skipped, "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout,
+               "seconds_reference": t_reference, "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+            with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:
+                for t in trajectories[:args.samples_per_step]:
+                    f.write(json.dumps({"step": step + 1, "question": t.question, "golden_answers": t.golden_answers,
+                                        "prediction": t.prediction, "reward": t.reward, "end_reason": t.end_reason,
+                                        "turns": t.turns}, ensure_ascii=False) + "\n")
+            bar.set_postfix(reward=f"{row['reward']:.3f}", turns=f"{row['turns']:.2f}", kl=f"{row['kl']:.4f}")
+        accelerator.log(row, step=step + 1)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
+            save_checkpoint(accelerator, model, tokenizer, args, step + 1)
+    accelerator.end_training()
+    return model
+
+
+if __name__ == "__main__":
+    main()
