@@ -337,7 +337,7 @@ def make_recorder(temperature: float):
     """A logits processor that sees the raw logits before any warper (HF applies custom processors
     before temperature/top-k/top-p) and records log p(sampled token) at temperature T. The token
     sampled at step t is only known at step t+1 (last column of input_ids), so each call scores the
-    previous step; `finish` scores the last one."""
+    previous step, and the caller scores the last one with `score`."""
     from transformers import LogitsProcessor
 
     class RecordLogprobs(LogitsProcessor):

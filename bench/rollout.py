@@ -32,17 +32,8 @@ import retriever  # noqa: E402
 
 
 def load_questions(n):
-    """The first n rows of the toy test set with distinct questions (a fixed selection)."""
-    rows, seen = [], set()
-    with open(os.path.join(ROOT, "data", "toy", "test.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if row["question"] not in seen:
-                seen.add(row["question"])
-                rows.append(row)
-            if len(rows) == n:
-                break
-    return rows
+    """The first n rows of the toy test set (a fixed selection)."""
+    return agent.load_questions(os.path.join(ROOT, "data", "toy", "test.jsonl"))[:n]
 
 
 def timed_generate(stats):
