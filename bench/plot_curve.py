@@ -1,0 +1,102 @@
+"""The learning curve of a train.py run, as it is: a table, and a plot when matplotlib is there.
+
+    python bench/plot_curve.py runs/memsearcher/metrics.jsonl            # table (+ reward.png beside it)
+    python bench/plot_curve.py /tmp/run/metrics.jsonl --out curve.png --window 5
+
+Reads metrics.jsonl (one JSON row per optimizer step; a run still writing it is fine: a partial
+last line is skipped) and prints step, reward, its moving average over `--window` steps,
+format_valid, turns, searches, kl and seconds per step (rollout + reference + update), then the
+mean reward of the first and last `--window` steps. Nothing is smoothed away: the raw reward is
+printed and plotted next to its moving average.
+"""
+import argparse
+import json
+import os
+
+
+def read_rows(path):
+    rows, skipped = [], 0
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                skipped += 1
+    return rows, skipped
+
+
+def moving_average(values, window):
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1):i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def seconds_per_step(row):
+    return sum(row.get(k, 0.0) for k in ("seconds_rollout", "seconds_reference", "seconds_update"))
+
+
+def print_table(rows, window):
+    rewards = [r.get("reward", float("nan")) for r in rows]
+    smooth = moving_average(rewards, window)
+    print(f"{'step':>5} | {'reward':>7} | {f'MA{window}':>7} | {'format':>6} | {'turns':>5} | {'searches':>8} | "
+          f"{'kl':>8} | {'s/step':>6}")
+    for r, ma in zip(rows, smooth):
+        print(f"{r.get('step', 0):>5} | {r.get('reward', float('nan')):>7.3f} | {ma:>7.3f} | "
+              f"{r.get('format_valid', float('nan')):>6.2f} | {r.get('turns', float('nan')):>5.2f} | "
+              f"{r.get('searches', float('nan')):>8.2f} | {r.get('kl', float('nan')):>8.5f} | {seconds_per_step(r):>6.0f}")
+    k = min(window, len(rows))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    total = sum(seconds_per_step(r) for r in rows)
+    print(f"{len(rows)} steps, {total / 60:.0f} min of steps: mean reward of the first {k} steps {first:.3f}, "
+          f"of the last {k} {last:.3f} ({last - first:+.3f})")
+    return rewards, smooth
+
+
+def plot(rows, rewards, smooth, window, path, title):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, marker=".", alpha=0.5, label="reward (per step)")
+    ax.plot(steps, smooth, label=f"moving average ({window} steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)  # the reward's whole range: no zooming into noise
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("metrics", help="a train.py metrics.jsonl")
+    ap.add_argument("--out", help="the plot (default: reward.png beside the metrics file)")
+    ap.add_argument("--window", type=int, default=5, help="moving-average window in steps")
+    args = ap.parse_args(argv)
+    rows, skipped = read_rows(args.metrics)
+    if skipped:
+        print(f"skipped {skipped} unreadable line(s) (a run still writing?)")
+    if not rows:
+        raise SystemExit(f"{args.metrics}: no rows yet")
+    rewards, smooth = print_table(rows, max(1, args.window))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics)), "reward.png")
+    title = os.path.basename(os.path.dirname(os.path.abspath(args.metrics))) or "training"
+    plot(rows, rewards, smooth, max(1, args.window), out, f"reward: {title}")
+
+
+if __name__ == "__main__":
+    main()
