@@ -49,7 +49,7 @@ HYPERPARAMETERS = [
     ("clip_eps", 0.2, 0.2, "PPO ratio clip epsilon; paper: 0.2"),
     ("clip_ratio_c", 3.0, 3.0, "dual-clip bound c for negative advantages; paper: 3"),
     ("kl_coef", 0.001, 0.001, "k3 KL-to-reference coefficient (0 skips the reference model); paper: 0.001"),
-    ("entropy_coef", 0.001, 0.001, "entropy bonus coefficient; paper: 0.001"),
+    ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0, see README: with no reward signal it only raises entropy)"),
     ("max_turns", 3, 5, "turns per trajectory in training; paper: 5"),
     ("max_new_tokens", 128, 512, "tokens per generation; paper: 512"),
     ("max_memory_tokens", 1024, 1024, "memory cap in tokens; paper: 1024"),

@@ -1,0 +1,434 @@
+"""Evaluate a search agent on QA benchmarks: EM, F1, acc (cover EM), and the efficiency report.
+
+    python evaluate.py                                    # embedded default on the toy test set
+    python evaluate.py --model M --data FILE_OR_DIR [...] [--agent memsearcher|react] \\
+        [--retriever_url URL | --corpus C --index I --encoder E] [--output_dir DIR] [--limit N]
+    accelerate launch evaluate.py ...                     # questions sharded across processes
+    torchrun --nproc_per_node 2 evaluate.py ...           # two CPU processes (gloo)
+    python evaluate.py --compare A/results.json B/results.json   # runs side by side
+
+As in the paper (DESIGN.md §2, §7): greedy, at most 20 turns, an invalid memory update resets the
+memory. Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq")
+or Search-R1's test parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
+- predictions.jsonl: every trajectory in full, one line per question (`record`);
+- results.json: {"run", "config", "datasets": {name: metrics}, "average": metrics} (`summarize`);
+  "average" is the paper's Avg (mean over datasets) for EM, F1, acc, turns, searches and seconds,
+  and pools all questions for the rest;
+- results.md: the paper's main-table layout, datasets as columns, Avg last;
+- context_tokens_per_turn.png (with matplotlib): Figure 3, with the other agent's curve when a
+  sibling folder (runs/eval/react beside runs/eval/memsearcher) holds its results.
+Each rank appends finished chunks to its own predictions.rank*.jsonl, which the main process folds
+into predictions.jsonl at the end; a rerun into the same folder skips finished questions.
+
+1. data   2. metrics   3. evaluation (sharded, resumable)   4. aggregation   5. reports   6. main
+"""
+import argparse
+import glob
+import itertools
+import json
+import os
+import random
+import time
+import uuid
+from collections import Counter
+from datetime import timedelta
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from tqdm import tqdm
+
+import agent
+import retriever
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
+
+# ---------------------------------------------------------------------------------------------
+# 1. Data: files -> {dataset: questions}, each question with its position in its dataset
+# ---------------------------------------------------------------------------------------------
+PAPER_DATASETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
+                  "2wikimultihopqa": "2Wiki", "musique": "MuSiQue", "bamboogle": "Bamboogle"}
+SPLITS = {"train", "dev", "test", "val", "validation"}
+
+
+def data_files(paths: list[str]) -> list[str]:
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.parquet")))
+            if not found:
+                raise SystemExit(f"evaluate.py: no *.jsonl or *.parquet file in {path}")
+            files += found
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise SystemExit(f"evaluate.py: --data not found: {path}")
+    return files
+
+
+def paper_order(names) -> list[str]:
+    """The paper's seven datasets in its column order, then any others as they came."""
+    known = list(PAPER_DATASETS)
+    return sorted(names, key=lambda n: known.index(n.lower()) if n.lower() in known else len(known))
+
+
+def load_datasets(paths: list[str], limit: int | None = None, seed: int = 0) -> dict[str, list[dict]]:
+    """Every question of every file; a bad row stops everything with its file and line. `limit`
+    keeps a seeded sample per dataset (a prefix of one fixed shuffle: raising it keeps old picks)."""
+    datasets = {}
+    for path in data_files(paths):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        try:
+            questions = agent.load_questions(path)
+        except (ValueError, ImportError, OSError) as e:
+            raise SystemExit(f"evaluate.py: {e}") from None
+        for q in questions:
+            if q["dataset"] == stem and stem.lower() in SPLITS:  # FlashRAG layout: nq/test.jsonl is "nq"
+                q["dataset"] = folder
+            datasets.setdefault(q["dataset"], []).append(q)
+    for name, questions in datasets.items():
+        ids = Counter(q["id"] for q in questions)
+        if max(ids.values()) > 1:
+            raise SystemExit(f"evaluate.py: dataset {name}: duplicate id {ids.most_common(1)[0][0]!r}")
+        for k, q in enumerate(questions):
+            q["index"] = k
+        if limit and len(questions) > limit:
+            order = list(range(len(questions)))
+            random.Random(seed).shuffle(order)
+            datasets[name] = [questions[i] for i in sorted(order[:limit])]
+    return {name: datasets[name] for name in paper_order(datasets)}
+
+
+def key(q: dict) -> tuple[str, str]:
+    return q["dataset"], q["id"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Metrics: EM and F1 are agent.py's (the reward's normalisation); acc is cover EM
+# ---------------------------------------------------------------------------------------------
+def cover_match(prediction: str | None, golds: list[str]) -> float:
+    """"acc": some normalised gold answer is contained in the normalised prediction."""
+    if prediction is None:
+        return 0.0
+    pred = agent.normalize_answer(prediction)
+    return float(any(gold and gold in pred for gold in map(agent.normalize_answer, golds)))
+
+
+def record(q: dict, t: agent.Trajectory, seconds: float, peak_memory: int | None, run: dict) -> dict:
+    """One line of predictions.jsonl: the question, the scores, and the whole trajectory."""
+    return {"dataset": q["dataset"], "id": q["id"], "index": q["index"], "question": q["question"],
+            "golden_answers": q["golden_answers"], "prediction": t.prediction,
+            "em": agent.exact_match(t.prediction, q["golden_answers"]), "f1": agent.f1_score(t.prediction, q["golden_answers"]),
+            "acc": cover_match(t.prediction, q["golden_answers"]), "reward": t.reward, "end_reason": t.end_reason,
+            "num_turns": t.num_turns, "num_searches": t.num_searches, "context_tokens": t.context_tokens,
+            "memory": t.memory, "turns": t.turns, "seconds": seconds, "peak_memory_bytes": peak_memory, "run": run}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Evaluation: this rank's share in chunks; finished chunks are appended and flushed
+# ---------------------------------------------------------------------------------------------
+def prediction_files(output_dir: str) -> list[str]:
+    merged = os.path.join(output_dir, "predictions.jsonl")
+    return ([merged] if os.path.isfile(merged) else []) + sorted(glob.glob(os.path.join(output_dir, "predictions.rank*.jsonl")))
+
+
+def scan(path: str, warn: bool = True):
+    """(byte offset, record without its turns) for each line. A last line with no newline is a
+    crash mid-write: ignored with a warning, so its question is redone."""
+    offset = 0
+    with open(path, "rb") as f:
+        for k, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                if warn:
+                    print(f"warning: {path}:{k}: truncated last line ignored; its question will be redone")
+                break
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    r = None
+                if not isinstance(r, dict) or "dataset" not in r or "id" not in r:
+                    raise SystemExit(f"evaluate.py: {path}:{k}: not a prediction record")
+                r.pop("turns", None)
+                yield offset, r
+            offset += len(line)
+
+
+def finished(output_dir: str, run: dict, warn: bool = True) -> dict:
+    """{(dataset, id): (file, offset, record)} of every prediction already in output_dir."""
+    done = {}
+    for path in prediction_files(output_dir):
+        for offset, r in scan(path, warn):
+            if r.get("run") != run:
+                raise SystemExit(f"evaluate.py: {path} holds predictions of another run ({r.get('run')}), "
+                                 f"not of {run}; use another --output_dir")
+            done[key(r)] = (path, offset, r)
+    return done
+
+
+def peak_memory(device, reset: bool = False) -> int | None:
+    """Bytes since the last reset: max allocated on a GPU, else the process's peak RSS (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.reset_peak_memory_stats(device) if reset else torch.cuda.max_memory_allocated(device)
+    try:
+        if reset:  # writing 5 to clear_refs resets VmHWM
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return None
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmHWM:")[1].split()[0]) * 1024
+    except (OSError, IndexError):
+        return None
+
+
+def evaluate_shard(model, tokenizer, search, questions, args, run, path, device, generate_fn, show_progress):
+    """Greedy rollouts in chunks of --batch_size questions of one dataset, each finished chunk
+    appended to `path` and flushed: an interruption loses at most one chunk."""
+    groups = [list(g) for _, g in itertools.groupby(questions, key=lambda q: q["dataset"])]
+    chunks = [g[i:i + args.batch_size] for g in groups for i in range(0, len(g), args.batch_size)]
+    with open(path, "a", encoding="utf-8") as f, tqdm(total=len(questions), disable=not show_progress, desc="questions") as bar:
+        for chunk in chunks:
+            peak_memory(device, reset=True)
+            t0 = time.time()
+            trajectories = agent.rollout(
+                model, tokenizer, chunk, search, agent=args.agent, group_size=1, greedy=True, invalid_memory="reset",
+                max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
+                max_context_tokens=args.max_context_tokens, generate_fn=generate_fn)
+            seconds, peak = (time.time() - t0) / len(chunk), peak_memory(device)
+            f.writelines(json.dumps(record(q, t, seconds, peak, run), ensure_ascii=False) + "\n"
+                         for q, t in zip(chunk, trajectories))
+            f.flush()
+            bar.update(len(chunk))
+
+
+def merge(output_dir: str, questions: list[dict], run: dict) -> list[dict]:
+    """Main process: fold every predictions file into predictions.jsonl (this run's questions in
+    dataset and file order, then any others), atomically; then drop the rank files. Returns this
+    run's records (without their turns)."""
+    done = finished(output_dir, run, warn=False)
+    missing = [key(q) for q in questions if key(q) not in done]
+    if missing:
+        raise SystemExit(f"evaluate.py: {len(missing)} questions have no prediction, e.g. {missing[0]}")
+    position = {key(q): k for k, q in enumerate(questions)}
+    order = sorted(done, key=lambda k: position.get(k, len(position)))  # stable: the others keep file order
+    merged, tmp = os.path.join(output_dir, "predictions.jsonl"), os.path.join(output_dir, "predictions.jsonl.tmp")
+    sources = {path: open(path, "rb") for path in prediction_files(output_dir)}
+    with open(tmp, "wb") as out:
+        for k in order:
+            path, offset, _ = done[k]
+            sources[path].seek(offset)
+            out.write(sources[path].readline())
+    for f in sources.values():
+        f.close()
+    os.replace(tmp, merged)
+    for path in sources:
+        if path != merged:
+            os.remove(path)
+    return [done[key(q)][2] for q in questions]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Aggregation: per dataset, and the Avg column
+# ---------------------------------------------------------------------------------------------
+def summarize(records: list[dict]) -> dict:
+    n = len(records)
+    mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
+    contexts = [r["context_tokens"] for r in records]
+    per_turn = [[c[k] for c in contexts if len(c) > k] for k in range(max(map(len, contexts), default=0))]
+    memory = [r["peak_memory_bytes"] for r in records if r.get("peak_memory_bytes") is not None]
+    all_turns = [tokens for c in contexts for tokens in c]
+    return {"n": n, **{m: mean([r[m] for r in records]) for m in ("em", "f1", "acc")},
+            "turns": mean([r["num_turns"] for r in records]), "searches": mean([r["num_searches"] for r in records]),
+            "context_tokens_mean": mean(all_turns), "context_tokens_max": max(all_turns, default=0),
+            "context_tokens_per_turn": {"mean": [mean(t) for t in per_turn], "max": [max(t) for t in per_turn],
+                                        "n": [len(t) for t in per_turn]},
+            "peak_context_tokens": mean([max(c, default=0) for c in contexts]),  # per question: its largest context
+            "total_context_tokens": mean([sum(c) for c in contexts]),  # per question: all its turns' contexts
+            "seconds_per_question": mean([r["seconds"] for r in records]),
+            "peak_memory_gb": max(memory) / 2**30 if memory else None,
+            "end_reasons": dict(Counter(r["end_reason"] for r in records))}
+
+
+def aggregate(records: list[dict], names: list[str]) -> tuple[dict, dict]:
+    datasets = {name: summarize([r for r in records if r["dataset"] == name]) for name in names}
+    average = summarize(records)  # pooled over all questions ...
+    for m in ("em", "f1", "acc", "turns", "searches", "seconds_per_question"):  # ... except the paper's Avg
+        average[m] = sum(d[m] for d in datasets.values()) / len(datasets)
+    return datasets, average
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Reports: the main table, context tokens per turn, the Figure 3 plot, --compare
+# ---------------------------------------------------------------------------------------------
+ROWS = [("EM", "em", "{:.3f}"), ("F1", "f1", "{:.3f}"), ("acc", "acc", "{:.3f}"),
+        ("turns / question", "turns", "{:.2f}"), ("searches / question", "searches", "{:.2f}"),
+        ("context tokens / turn", "context_tokens_mean", "{:.0f}"),
+        ("peak context tokens / question", "peak_context_tokens", "{:.0f}"),
+        ("seconds / question", "seconds_per_question", "{:.2f}"), ("peak memory GB", "peak_memory_gb", "{:.2f}"),
+        ("questions", "n", "{}")]
+AGENTS = {"memsearcher": "MemSearcher", "react": "ReAct"}
+
+
+def label(results: dict) -> str:
+    model = results["run"]["model"]
+    return f"{AGENTS[results['run']['agent']]} ({os.path.basename(model.rstrip('/')) or model})"
+
+
+def report(runs: list[tuple[str, dict]]) -> str:
+    """Markdown: rows (metric, method), datasets as columns, Avg last; then context tokens per turn."""
+    names = paper_order(dict.fromkeys(n for _, res in runs for n in res["datasets"]))
+    cell = lambda fmt, v: "–" if v is None else fmt.format(v)  # noqa: E731
+    lines = ["| Method | Metric | " + " | ".join(PAPER_DATASETS.get(n.lower(), n) for n in names) + " | Avg |",
+             "| --- " * (len(names) + 3) + "|"]
+    for title, m, fmt in ROWS:
+        for name, res in runs:
+            values = [res["datasets"][n][m] if n in res["datasets"] else None for n in names] + [res["average"][m]]
+            lines.append(f"| {name} | {title} | " + " | ".join(cell(fmt, v) for v in values) + " |")
+    turns = max(len(res["average"]["context_tokens_per_turn"]["mean"]) for _, res in runs)
+    lines += ["", "Context tokens per turn, all questions (mean / max; questions still running at that turn):", "",
+              "| Method | " + " | ".join(f"turn {k}" for k in range(1, turns + 1)) + " |", "| --- " * (turns + 1) + "|"]
+    for name, res in runs:
+        c = res["average"]["context_tokens_per_turn"]
+        lines.append(f"| {name} | " + " | ".join(f"{a:.0f} / {b} ({n})" for a, b, n in zip(c["mean"], c["max"], c["n"]))
+                     + " |" * (turns - len(c["mean"]) + 1))
+    kinds = sorted({res["config"]["memory_kind"] for _, res in runs})
+    return "\n".join(lines) + f"\n\nPeak memory: {', '.join(kinds)}. Avg: mean over datasets (EM, F1, acc, turns, " \
+        "searches, seconds); all questions pooled (context tokens); max (memory).\n"
+
+
+def plot_context_tokens(runs: list[tuple[str, dict]], path: str):
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot (pip install matplotlib to get {os.path.basename(path)})")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, res in runs:
+        curve = res["average"]["context_tokens_per_turn"]
+        turns = range(1, len(curve["mean"]) + 1)
+        (line,) = ax.plot(turns, curve["mean"], marker="o", label=f"{name} mean")
+        ax.plot(turns, curve["max"], linestyle="--", marker="x", color=line.get_color(), label=f"{name} max")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("tokens in context")
+    ax.set_title("Context tokens per turn")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def compare(paths: list[str], output_dir: str | None):
+    runs = [(f"{label(res)} [{os.path.basename(os.path.dirname(os.path.abspath(path)))}]", res)
+            for path, res in ((path, read_json(path)) for path in paths)]
+    print(report(runs))
+    folder = output_dir or os.path.dirname(os.path.abspath(paths[0]))
+    plot_context_tokens(runs, os.path.join(folder, "context_tokens_compare.png"))
+
+
+def other_agent(output_dir: str, results: dict) -> list[dict]:
+    """Results of the other agent on the same datasets in sibling folders (for the Figure 3 plot)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(output_dir)), "*", "results.json"))):
+        try:
+            other = read_json(path)
+            if other["run"]["agent"] != results["run"]["agent"] and set(other["datasets"]) == set(results["datasets"]):
+                found.append(other)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not an evaluate.py results file
+    return found
+
+
+def write_reports(output_dir: str, results: dict):
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    text = report([(label(results), results)])
+    with open(os.path.join(output_dir, "results.md"), "w") as f:
+        f.write(f"# {label(results)}\n\n{text}")
+    print(text)
+    plot_context_tokens([(label(res), res) for res in [results] + other_agent(output_dir, results)],
+                        os.path.join(output_dir, "context_tokens_per_turn.png"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Main
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="HF name/path, a train.py checkpoint, or `default` (embedded SmolLM2)")
+    ap.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="jsonl/parquet files or folders (default: toy test set)")
+    ap.add_argument("--agent", default="memsearcher", choices=list(AGENTS))
+    ap.add_argument("--retriever_url", default=None, help="a /retrieve server shared by all ranks; else a local index")
+    ap.add_argument("--corpus", default=None, help="local corpus jsonl (default: data/toy/corpus.jsonl)")
+    ap.add_argument("--index", default=None, help="local FAISS index (default: built beside the corpus)")
+    ap.add_argument("--encoder", default=None, help="retrieval encoder (default: embedded MiniLM)")
+    ap.add_argument("--output_dir", default=None, help="default: runs/eval/<agent>")
+    ap.add_argument("--limit", type=int, default=None, help="at most N questions per dataset (a seeded sample)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch_size", type=int, default=16, help="questions per rollout call (per process)")
+    ap.add_argument("--max_turns", type=int, default=20)
+    ap.add_argument("--max_new_tokens", type=int, default=512)
+    ap.add_argument("--max_memory_tokens", type=int, default=1024)
+    ap.add_argument("--max_context_tokens", type=int, default=16384, help="ReAct's context cap")
+    ap.add_argument("--compare", nargs="+", metavar="RESULTS_JSON", help="print these runs side by side and exit")
+    return ap.parse_args(argv)
+
+
+def main(argv=None, generate_fn=agent.generate):
+    args = parse_args(argv)
+    if args.compare:
+        return compare(args.compare, args.output_dir)
+    args.output_dir = args.output_dir or os.path.join("runs", "eval", args.agent)
+    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
+    accelerator = Accelerator(cpu=multi_cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=12))])
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    datasets = load_datasets(args.data, args.limit, args.seed)  # a bad row fails here, before any model loads
+    questions = [q for qs in datasets.values() for q in qs]
+    run = {"agent": args.agent, "model": args.model, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+           "max_memory_tokens": args.max_memory_tokens,
+           "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
+    os.makedirs(args.output_dir, exist_ok=True)
+    done = finished(args.output_dir, run, warn=accelerator.is_main_process)
+    mine = [q for q in questions[rank::world] if key(q) not in done]
+    todo = sum(key(q) not in done for q in questions)
+    accelerator.print(f"{len(questions)} questions in {len(datasets)} datasets ({', '.join(datasets)}); "
+                      f"{len(questions) - todo} already in {args.output_dir}; {todo} to go on {world} process(es)")
+    set_seed(args.seed)
+    with accelerator.main_process_first():  # also: every rank has read the old files before any writes
+        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url,
+                                          device=device if device.type == "cuda" else "cpu") if mine else None
+    if mine and args.retriever_url:  # fail fast if the server is not there
+        search.search(["ping"], 1)
+    t0 = time.time()
+    if mine:
+        model, tokenizer = agent.load_model(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                            device=device)
+        path = os.path.join(args.output_dir, f"predictions.rank{rank}-{uuid.uuid4().hex[:8]}.jsonl")
+        evaluate_shard(model, tokenizer, search, mine, args, run, path, device, generate_fn, accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return None
+    records = merge(args.output_dir, questions, run)
+    per_dataset, average = aggregate(records, list(datasets))
+    config = {**vars(args), "world_size": world, "device": str(device), "evaluated_now": todo, "wall_seconds": time.time() - t0,
+              "memory_kind": "gpu_max_allocated" if device.type == "cuda" else "cpu_peak_rss"}
+    results = {"run": run, "config": config, "datasets": per_dataset, "average": average}
+    write_reports(args.output_dir, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
