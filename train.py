@@ -241,9 +241,10 @@ def main(argv=None, generate_fn=agent.generate):
 
         # --- old log-probs (policy, before any update) and reference log-probs ----------------
         t0 = time.time()
-        old = response_logprobs(policy, conversations, pad_id, device, args.micro_batch_size, args.temperature)
-        ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
-               if reference is not None else None)
+        with accelerator.autocast():  # the same precision as the update's forward passes
+            old = response_logprobs(policy, conversations, pad_id, device, args.micro_batch_size, args.temperature)
+            ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
+                   if reference is not None else None)
         t_reference = time.time() - t0
         for k, c in enumerate(conversations):  # attach what the update reads, per conversation
             c.old_logprobs, c.advantage = old[k].tolist(), float(conversation_advantages[k])
