@@ -185,7 +185,8 @@ def step_questions(questions, step, batch_size, seed):
 def main(argv=None, generate_fn=agent.generate):
     args = parse_args(argv)
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
-    accelerator = Accelerator(cpu=multi_cpu, log_with=args.report_to.split(",") if args.report_to else None)
+    accelerator = Accelerator(cpu=multi_cpu, log_with=args.report_to.split(",") if args.report_to else None,
+                              project_dir=args.output_dir)  # trackers (tensorboard) log under output_dir
     rank, world = accelerator.process_index, accelerator.num_processes
     check_config(args, world)
     questions = agent.load_questions(args.train_data)
