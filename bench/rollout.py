@@ -138,18 +138,21 @@ def bench_throughput(model, tokenizer, questions, search, args):
 QUESTION_WORDS = {"what", "which", "where", "when", "does", "with", "from", "that", "this", "first", "born"}
 
 
-def scripted_policy(agent_name, memory_words):
+def scripted_policy(agent_name, memory_words, answers=None, answer_turn=None):
     """A generate_fn: every turn a short thought and one search; MemSearcher's memory update keeps
-    the first `memory_words` words of the latest documents (so its length stays about constant)."""
+    the first `memory_words` words of the latest documents (so its length stays about constant).
+    With `answers` ({question: gold}), turn `answer_turn` answers \\boxed{gold} instead."""
     turns = {}  # question -> first generations so far
 
     def first_generation(prompt_text):
         question = re.search(r"<question> (.*?) </question>", prompt_text, re.S).group(1)
         k = turns[question] = turns.get(question, 0) + 1
+        think = "" if prompt_text.endswith("<think>\n") else "<think>\n"  # ReAct turns 2+ have no prefill
+        if answers is not None and k == answer_turn:
+            return f"{think}My notes hold the answer.\n</think>\n\\boxed{{{answers[question]}}}"
         words = [w for w in re.findall(r"\w+", question) if len(w) > 3 and w.lower() not in QUESTION_WORDS] or [question]
         query = question if k == 1 else " ".join(words[(k - 2) % len(words):][:3])  # then 3 of its words
         call = json.dumps({"name": agent.TOOL_NAME, "arguments": {"query": query, "top_n": 5}})
-        think = "" if prompt_text.endswith("<think>\n") else "<think>\n"  # ReAct turns 2+ have no prefill
         return f"{think}Search {k}: I still need facts about {query}.\n</think>\n<tool_call>\n{call}\n</tool_call>"
 
     def memory_update(prompt_text):

@@ -38,7 +38,6 @@ import gc
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -68,41 +67,15 @@ bench_rollout = import_bench_rollout()
 # ---------------------------------------------------------------------------------------------
 # 1. Scripted trajectories: search every turn, answer at the last one
 # ---------------------------------------------------------------------------------------------
-def answering_policy(agent_name, questions, turns, memory_words):
-    """bench/rollout.py's scripted policy, except that the `turns`-th first generation of a
-    question answers with \\boxed{its first gold answer} instead of searching."""
-    search_every_turn = bench_rollout.scripted_policy(agent_name, memory_words)
-    gold = {q["question"]: q["golden_answers"][0] for q in questions}
-    seen = {}  # question -> first generations so far
-
-    def generate_fn(model, tokenizer, prompts, **sampling):
-        end = tokenizer.convert_tokens_to_ids(agent.END_OF_TURN)
-        outs = []
-        for p in prompts:
-            text = tokenizer.decode(p)
-            phase_one = agent_name == "react" or text.endswith("<think>\n")
-            question = re.search(r"<question> (.*?) </question>", text, re.S).group(1)
-            if phase_one:
-                seen[question] = seen.get(question, 0) + 1
-            if phase_one and seen[question] == turns:
-                think = "" if text.endswith("<think>\n") else "<think>\n"
-                answer = f"{think}My notes hold the answer.\n</think>\n\\boxed{{{gold[question]}}}"
-                ids = agent.encode(tokenizer, answer) + [end]
-                outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
-            else:
-                outs += search_every_turn(model, tokenizer, [p], **sampling)
-        return outs
-
-    return generate_fn
-
-
 def build_conversations(tokenizer, variant, args):
     """(trajectories, conversations, per-conversation advantages) for one variant."""
     questions = bench_rollout.load_questions(args.questions)
     search = retriever.open_retriever()
     trajectories = agent.rollout(None, tokenizer, questions, search, agent=variant, max_turns=args.turns,
                                  max_context_tokens=10**9,
-                                 generate_fn=answering_policy(variant, questions, args.turns, args.memory_words))
+                                 generate_fn=bench_rollout.scripted_policy(
+                                     variant, args.memory_words, answers={q["question"]: q["golden_answers"][0] for q in questions},
+                                     answer_turn=args.turns))
     conversations = [c for t in trajectories for c in t.conversations]
     owner = [i for i, t in enumerate(trajectories) for _ in t.conversations]
     advantages = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(len(trajectories))])
