@@ -22,7 +22,7 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
 
 import agent
@@ -91,9 +91,12 @@ def parse_args(argv=None):
     return args
 
 
-def check_config(args, world_size):
+def check_config(args, world_size, distributed_type=None):
     """Fail fast, before loading anything large."""
     problems = []
+    if distributed_type == DistributedType.DEEPSPEED:
+        problems.append("DeepSpeed is not supported: its engine steps the optimizer after a fixed number of micro-batches, "
+                        "while a GRPO step's count varies with the conversations; use FSDP (accelerate config) to shard")
     if args.group_size < 2:
         problems.append(f"--group_size must be >= 2 (GRPO compares trajectories within a group), got {args.group_size}")
     if args.batch_size % world_size:
@@ -164,6 +167,15 @@ def save_checkpoint(accelerator, model, tokenizer, args, step):
     accelerator.wait_for_everyone()
 
 
+def gather_full_weights(model, rollout_model):
+    """Under FSDP no rank holds the whole policy, and generation cannot all-gather shards in step
+    (ranks generate different numbers of tokens and turns). So each rank rolls out with a plain
+    full copy of the policy, refreshed here from the gathered weights before every rollout."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # FSDP1 and FSDP2
+    rollout_model.load_state_dict(full)
+
+
 def list_checkpoints(output_dir):
     paths = [p for p in glob.glob(os.path.join(output_dir, "checkpoint-*")) if not p.endswith(".tmp")
              and os.path.isfile(os.path.join(p, "trainer_state.json"))]
@@ -188,7 +200,7 @@ def main(argv=None, generate_fn=agent.generate):
     accelerator = Accelerator(cpu=multi_cpu, log_with=args.report_to.split(",") if args.report_to else None,
                               project_dir=args.output_dir)  # trackers (tensorboard) log under output_dir
     rank, world = accelerator.process_index, accelerator.num_processes
-    check_config(args, world)
+    check_config(args, world, accelerator.distributed_type)
     questions = agent.load_questions(args.train_data)
     if len(questions) < args.batch_size:
         raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
@@ -201,13 +213,16 @@ def main(argv=None, generate_fn=agent.generate):
 
     model, tokenizer = agent.load_model(args.model, dtype=torch.float32)  # fp32 master weights
     reference = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
+    rollout_model = copy.deepcopy(model).eval().requires_grad_(False) if sharded else None
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    if reference is not None:
-        reference.to(accelerator.device)
-    policy = accelerator.unwrap_model(model)
+    for frozen in (reference, rollout_model):
+        if frozen is not None:
+            frozen.to(accelerator.device)
+    policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
     pad_id, device = tokenizer.pad_token_id, accelerator.device
 
     start_step = 0
@@ -227,11 +242,14 @@ def main(argv=None, generate_fn=agent.generate):
         batch = step_questions(questions, step, args.batch_size, args.seed)
         share = args.batch_size // world
         mine = batch[rank * share:(rank + 1) * share]
+        if sharded:
+            gather_full_weights(model, rollout_model)
         torch.manual_seed(args.seed * 100003 + step * world + rank)  # sampling differs per rank and step
-        trajectories = agent.rollout(
-            policy, tokenizer, mine, search, agent=args.agent, group_size=args.group_size, max_turns=args.max_turns,
-            max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn)
+        with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
+            trajectories = agent.rollout(
+                policy, tokenizer, mine, search, agent=args.agent, group_size=args.group_size, max_turns=args.max_turns,
+                max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn)
         t_rollout = time.time() - t0
 
         # --- rewards -> group advantages -> one advantage per conversation (A_ij = A_i) -------

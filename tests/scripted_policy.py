@@ -2,7 +2,12 @@
 
 Rank r's trajectories search r * 2 times before answering, so ranks hold different numbers of
 conversations; answers are right or wrong at random (torch RNG, seeded per rank and step by
-train.py), so advantages are non-zero. At the end each rank saves its parameters.
+train.py), so advantages are non-zero. Every generate call also runs one forward pass of the model
+it is given: ranks make different numbers of calls, which would hang if that model were sharded.
+At the end each rank saves its parameters (DDP) and a checksum of the weights each rollout saw.
+
+TEST_FSDP_VERSION=1|2 trains under FSDP: accelerate enables FSDP only on accelerators (GPUs, ...)
+while torch's FSDP also runs on CPUs over gloo, so the Accelerator is switched to FSDP after start-up.
 """
 import os
 import re
@@ -15,10 +20,16 @@ import agent  # noqa: E402
 import train  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
+FSDP_VERSION = int(os.environ.get("TEST_FSDP_VERSION", "0"))
 CALL = '</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "%s"}}</tool_call>'
+CHECKSUMS = []  # the rollout weights' checksum, each time it changes
 
 
 def scripted_generate(model, tokenizer, prompts, **sampling):
+    checksum = sum(p.double().sum().item() for p in model.parameters())
+    if not CHECKSUMS or CHECKSUMS[-1] != checksum:
+        CHECKSUMS.append(checksum)
+    model(input_ids=torch.tensor([prompts[0][-8:]], device=next(model.parameters()).device))
     outs = []
     for p in prompts:
         text = tokenizer.decode(p)
@@ -35,8 +46,24 @@ def scripted_generate(model, tokenizer, prompts, **sampling):
     return outs
 
 
+def accelerator_with_fsdp(*args, **kwargs):
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(*args, **kwargs)
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=FSDP_VERSION, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")
+    accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return accelerator
+
+
 if __name__ == "__main__":
+    if FSDP_VERSION:
+        train.Accelerator = accelerator_with_fsdp
     model = train.main(sys.argv[1:], generate_fn=scripted_generate)
-    params = [p.detach().cpu().clone() for p in model.parameters()]
+    # under DDP every rank holds the whole policy; under FSDP only shards (the checkpoint has it whole)
+    params = None if FSDP_VERSION else {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     out_dir = sys.argv[sys.argv.index("--output_dir") + 1]
-    torch.save(params, os.path.join(out_dir, f"params_rank{RANK}.pt"))
+    torch.save({"params": params, "checksums": CHECKSUMS}, os.path.join(out_dir, f"rank{RANK}.pt"))

@@ -1,5 +1,7 @@
-"""train.py: one step, metrics and checkpoints, exact resume, two-process CPU run (torchrun, gloo)."""
+"""train.py: one step, metrics and checkpoints, bf16 autocast, exact resume, and two-process CPU
+runs (torchrun, gloo) under DDP and FSDP."""
 import json
+import math
 import os
 import socket
 import subprocess
@@ -48,6 +50,8 @@ def test_config_errors_fail_fast(tmp_path):
             train.check_config(train.parse_args(bad), world_size=1)
     with pytest.raises(SystemExit, match="divisible by the 3 processes"):
         train.check_config(train.parse_args(["--batch_size", "4", "--mini_batch_size", "2"]), world_size=3)
+    with pytest.raises(SystemExit, match="DeepSpeed is not supported"):
+        train.check_config(train.parse_args([]), world_size=1, distributed_type=train.DistributedType.DEEPSPEED)
 
 
 def test_presets_and_overrides():
@@ -73,6 +77,36 @@ def test_one_step_changes_parameters_writes_metrics_and_checkpoint(tiny_lm_dir, 
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path))
 
 
+def test_bf16_autocast_keeps_float32_master_weights(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path,
+                                                    monkeypatch):
+    """`accelerate launch --mixed_precision bf16` (here on CPU): bf16 autocast, float32 weights."""
+    from accelerate.state import AcceleratorState
+    from scripted_policy import scripted_generate  # answers yes/no at random: non-zero advantages
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    precisions, token_logprobs = [], train.grpo.token_logprobs
+
+    def recording(model, *args, **kwargs):  # old, reference and update forward passes
+        precisions.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else torch.float32)
+        return token_logprobs(model, *args, **kwargs)
+    monkeypatch.setattr(train.grpo, "token_logprobs", recording)
+    AcceleratorState._reset_state(reset_partial_state=True)  # the precision is fixed per process otherwise
+    try:
+        model = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, batch_size=4,
+                                     mini_batch_size=4, train_data=yes_questions, weight_decay=0.0),
+                           generate_fn=scripted_generate)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert len(precisions) == 3 * 4 and set(precisions) == {torch.bfloat16}  # 8 conversations, micro-batches of 2
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["skipped_updates"] == 0 and math.isfinite(row["loss"]) and row["grad_norm"] > 0
+    assert row["ratio"] == pytest.approx(1.0, abs=1e-2)  # old log-probs under the same autocast as the update
+    after, before = state(tmp_path / "checkpoint-1"), state(tiny_lm_dir)
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # no weight decay: the gradient did it
+
+
 def test_resume_reproduces_the_next_step(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
     common = dict(train_data=yes_questions, kl_coef=0.01)
     train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "straight", max_steps=2, **common))
@@ -85,11 +119,9 @@ def test_resume_reproduces_the_next_step(tiny_lm_dir, small_corpus, tiny_encoder
     assert [r["step"] for r in rows] == [1, 2]
 
 
-def test_two_processes_with_unequal_conversations(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
-    out = tmp_path / "ddp"
-    argv = base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=2, train_data=yes_questions,
-                     batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def run_two_processes(argv, **env):
+    """torchrun --nproc_per_node 2 tests/scripted_policy.py <argv>; returns each rank's saved record."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -97,10 +129,45 @@ def test_two_processes_with_unequal_conversations(tiny_lm_dir, small_corpus, tin
            os.path.join(ROOT, "tests", "scripted_policy.py"), *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    out = argv[argv.index("--output_dir") + 1]
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def two_process_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions):
+    return lambda out: base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=2, train_data=yes_questions,
+                                 batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(two_process_args, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    return out, run_two_processes(two_process_args(out))
+
+
+def test_two_processes_with_unequal_conversations(ddp_run, tiny_lm_dir):
+    out, (r0, r1) = ddp_run
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     # rank 0 answers at once (1 conversation per trajectory), rank 1 searches twice first (3)
     assert [r["conversations_per_trajectory"] for r in rows] == [2.0, 2.0]
     assert all(r["searches"] == 1.0 for r in rows)
-    p0, p1 = torch.load(out / "params_rank0.pt"), torch.load(out / "params_rank1.pt")
-    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
-    assert not all(torch.equal(a, b) for a, b in zip(p0, AutoModelForCausalLM.from_pretrained(tiny_lm_dir).parameters()))
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    initial = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).state_dict()
+    assert not all(torch.equal(r0["params"][k], initial[k]) for k in r0["params"])
+    # each step's rollout saw the same, current weights on both ranks: the initial ones, then step 1's
+    assert len(r0["checksums"]) == 2 and r0["checksums"] == r1["checksums"]
+    assert r0["checksums"][0] == pytest.approx(sum(v.double().sum().item() for v in initial.values()), rel=1e-9)
+
+
+@pytest.mark.parametrize("fsdp_version", [2])
+def test_fsdp_matches_ddp(ddp_run, two_process_args, fsdp_version, tmp_path):
+    """FSDP shards the policy; rollouts use a gathered full copy. The result equals DDP's."""
+    _, (d0, _) = ddp_run
+    f0, f1 = run_two_processes(two_process_args(tmp_path), TEST_FSDP_VERSION=str(fsdp_version))
+    # both ranks rolled out with the same full weights, those DDP had, refreshed after step 1
+    assert len(f0["checksums"]) == 2 and f0["checksums"] == f1["checksums"]
+    assert f0["checksums"] == pytest.approx(d0["checksums"], rel=1e-6)
+    saved = state(tmp_path / "checkpoint-2")  # the gathered weights, by save_pretrained on rank 0
+    assert saved.keys() == d0["params"].keys()
+    for k in saved:
+        torch.testing.assert_close(saved[k], d0["params"][k], rtol=1e-4, atol=1e-6)
