@@ -209,14 +209,21 @@ def main(argv=None, generate_fn=agent.generate):
         search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url,
                                           device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
     if args.retriever_url:  # fail fast if the server is not there
-        search.search(["ping"], 1)
+        try:
+            search.search(["ping"], 1)
+        except ConnectionError as e:
+            raise SystemExit(f"train.py: --retriever_url: {e}") from None
 
     model, tokenizer = agent.load_model(args.model, dtype=torch.float32)  # fp32 master weights
     reference = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
     rollout_model = copy.deepcopy(model).eval().requires_grad_(False) if sharded else None
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
+        enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers; the old name warns
+        if enable:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     for frozen in (reference, rollout_model):

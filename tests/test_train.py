@@ -107,6 +107,70 @@ def test_bf16_autocast_keeps_float32_master_weights(tiny_lm_dir, small_corpus, t
     assert any(not torch.equal(after[k], before[k]) for k in before)  # no weight decay: the gradient did it
 
 
+def test_gradient_checkpointing_recomputes_in_the_update_only(tiny_lm_dir, small_corpus, tiny_encoder_dir,
+                                                              yes_questions, tmp_path, monkeypatch):
+    """Rollouts run in eval mode (KV cache on, no checkpointing); with --gradient_checkpointing the
+    update recomputes each layer in the backward pass: twice the forward calls, the same result."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from scripted_policy import scripted_generate
+    counts = {"grad_forwards": 0, "rollouts_in_train_mode": 0}
+    mlp_forward = LlamaMLP.forward
+
+    def counting_forward(self, *args, **kwargs):  # (module hooks do not fire on recomputation)
+        counts["grad_forwards"] += torch.is_grad_enabled()
+        return mlp_forward(self, *args, **kwargs)
+
+    def generate(model, *args, **kwargs):
+        counts["rollouts_in_train_mode"] += model.training
+        with torch.no_grad():
+            return scripted_generate(model, *args, **kwargs)
+    monkeypatch.setattr(LlamaMLP, "forward", counting_forward)
+
+    def run(out, *flags):
+        counts.update(grad_forwards=0, rollouts_in_train_mode=0)
+        argv = base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=1, batch_size=4, mini_batch_size=4,
+                         train_data=yes_questions)
+        model = train.main(argv + list(flags), generate_fn=generate)
+        return dict(counts), model.state_dict()
+
+    plain, p = run(tmp_path / "plain")
+    checkpointed, c = run(tmp_path / "checkpointed", "--gradient_checkpointing")
+    assert plain["rollouts_in_train_mode"] == checkpointed["rollouts_in_train_mode"] == 0
+    # 8 conversations in micro-batches of 2, through 2 layers: 8 forwards, and 8 more recomputed
+    assert plain["grad_forwards"] == 8 and checkpointed["grad_forwards"] == 16
+    for k in p:
+        torch.testing.assert_close(c[k], p[k], rtol=1e-5, atol=1e-7)
+
+
+def test_remote_retriever(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path, monkeypatch):
+    """--retriever_url: every search goes to the server; an unreachable one stops the run at once."""
+    import threading
+
+    import retriever
+    import scripted_policy
+
+    local = retriever.open_retriever(corpus=small_corpus, encoder=tiny_encoder_dir)
+    queries = []
+    search = local.search
+    monkeypatch.setattr(local, "search", lambda qs, topk=5: queries.extend(qs) or search(qs, topk))
+    server = retriever.make_server(local, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(scripted_policy, "RANK", 1)  # search twice, then answer
+    argv = base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "run", max_steps=1, train_data=yes_questions,
+                     max_turns=4, retriever_url=url)
+    try:
+        train.main(argv, generate_fn=scripted_policy.scripted_generate)
+    finally:
+        server.shutdown()
+        server.server_close()
+    row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert row["searches"] == 2.0 and len(queries) == 1 + 2 * 4  # the start-up check, then 2 per trajectory
+    with pytest.raises(SystemExit, match="--retriever_url: retriever unreachable at http://127.0.0.1:9"):
+        train.main(argv[:-2] + ["--retriever_url", "http://127.0.0.1:9"])
+
+
 def test_resume_reproduces_the_next_step(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
     common = dict(train_data=yes_questions, kl_coef=0.01)
     train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "straight", max_steps=2, **common))
