@@ -199,8 +199,8 @@ def run_two_processes(argv, **env):
 
 @pytest.fixture(scope="module")
 def two_process_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions):
-    return lambda out: base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=2, train_data=yes_questions,
-                                 batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
+    common = dict(max_steps=2, train_data=yes_questions, batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
+    return lambda out, **extra: base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **{**common, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -223,15 +223,28 @@ def test_two_processes_with_unequal_conversations(ddp_run, tiny_lm_dir):
     assert r0["checksums"][0] == pytest.approx(sum(v.double().sum().item() for v in initial.values()), rel=1e-9)
 
 
-@pytest.mark.parametrize("fsdp_version", [2])
-def test_fsdp_matches_ddp(ddp_run, two_process_args, fsdp_version, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_run(two_process_args, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    return out, run_two_processes(two_process_args(out), TEST_FSDP_VERSION="2")
+
+
+def test_fsdp_matches_ddp(ddp_run, fsdp_run):
     """FSDP shards the policy; rollouts use a gathered full copy. The result equals DDP's."""
-    _, (d0, _) = ddp_run
-    f0, f1 = run_two_processes(two_process_args(tmp_path), TEST_FSDP_VERSION=str(fsdp_version))
+    (_, (d0, _)), (out, (f0, f1)) = ddp_run, fsdp_run
     # both ranks rolled out with the same full weights, those DDP had, refreshed after step 1
     assert len(f0["checksums"]) == 2 and f0["checksums"] == f1["checksums"]
     assert f0["checksums"] == pytest.approx(d0["checksums"], rel=1e-6)
-    saved = state(tmp_path / "checkpoint-2")  # the gathered weights, by save_pretrained on rank 0
+    saved = state(out / "checkpoint-2")  # the gathered weights, by save_pretrained on rank 0
     assert saved.keys() == d0["params"].keys()
     for k in saved:
         torch.testing.assert_close(saved[k], d0["params"][k], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_path):
+    """Sharded optimizer state and RNG come back from checkpoint-1/state: step 2 is bit-identical."""
+    out, _ = fsdp_run
+    run_two_processes(two_process_args(tmp_path, max_steps=1), TEST_FSDP_VERSION="2")
+    run_two_processes(two_process_args(tmp_path, resume=True), TEST_FSDP_VERSION="2")
+    a, b = state(out / "checkpoint-2"), state(tmp_path / "checkpoint-2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
