@@ -6,8 +6,9 @@ train.py), so advantages are non-zero. Every generate call also runs one forward
 it is given: ranks make different numbers of calls, which would hang if that model were sharded.
 At the end each rank saves its parameters (DDP) and a checksum of the weights each rollout saw.
 
-TEST_FSDP_VERSION=1|2 trains under FSDP: accelerate enables FSDP only on accelerators (GPUs, ...)
-while torch's FSDP also runs on CPUs over gloo, so the Accelerator is switched to FSDP after start-up.
+TEST_FSDP_VERSION=2 trains under FSDP2: accelerate enables FSDP only on accelerators (GPUs, ...)
+while torch's FSDP2 also runs on CPUs over gloo, so the Accelerator is switched to FSDP after
+start-up. (Torch's FSDP1 rejects a CPU device, so version 1 cannot run here.)
 """
 import os
 import re
