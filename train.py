@@ -5,8 +5,9 @@
         --retriever_url http://host:8000                        # the paper's settings (preset `paper`)
     torchrun --nproc_per_node 2 train.py --max_steps 2          # two CPU processes (gloo)
 
-1. configuration   2. set-up (model, reference, optimizer, search tool, data)   3. helpers
-4. the loop: rollout -> rewards -> group advantages -> old/ref log-probs -> PPO epochs of
+1. configuration   2. set-up (model, reference, optimizer, search tool, data)   3. helpers, the
+   shared optimizer update, the warm start   4. (toy preset) warm start on oracle demonstrations,
+   then the loop: rollout -> rewards -> group advantages -> old/ref log-probs -> PPO epochs of
    mini-batches of micro-batches -> metrics and checkpoints.
 """
 import argparse
@@ -40,23 +41,34 @@ HYPERPARAMETERS = [
     ("max_steps", 4, 660, "optimizer steps (each: one batch of questions); paper: 1 epoch = ~660"),
     ("batch_size", 4, 256, "questions per step, over all ranks; paper: 256"),
     ("group_size", 4, 5, "G, trajectories per question; paper: 5"),
-    ("mini_batch_size", 4, 128, "questions' worth of conversations per optimizer update; paper: 128"),
+    ("mini_batch_size", 4, 128, "optimizer updates see mini_batch_size x G conversations each, in rollout order; paper: 128 (x 5 = 640)"),
     ("micro_batch_size", 4, 4, "conversations per forward/backward (memory knob, not math)"),
     ("ppo_epochs", 1, 1, "passes over a step's conversations; paper: 1"),
+    ("warm_start_steps", 12, 0, "supervised steps on oracle demonstrations before GRPO (DESIGN §9; toy only); paper: 0"),
+    ("warm_start_questions", 48, 0, "train questions the oracle acts out for the warm start"),
+    ("warm_start_batch", 4, 4, "demonstration conversations per warm-start step, over all ranks"),
+    ("warm_start_lr", 1e-4, 1e-5, "AdamW learning rate of the warm start, constant"),
     ("lr", 1e-5, 1e-6, "AdamW learning rate, constant; paper: 1e-6"),
     ("weight_decay", 0.01, 0.01, "AdamW weight decay; paper: 0.01"),
     ("grad_clip", 1.0, 1.0, "max global gradient norm; paper: 1.0"),
     ("clip_eps", 0.2, 0.2, "PPO ratio clip epsilon; paper: 0.2"),
     ("clip_ratio_c", 3.0, 3.0, "dual-clip bound c for negative advantages; paper: 3"),
+    ("old_logprobs", "recorded", "recompute", "recorded (from sampling; used only in float32 without autocast, where "
+     "they equal the recomputation) or recompute (a forward pass before the update, as released)"),
     ("kl_coef", 0.001, 0.001, "k3 KL-to-reference coefficient (0 skips the reference model); paper: 0.001"),
     ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0, see README: with no reward signal it only raises entropy)"),
     ("max_turns", 3, 5, "turns per trajectory in training; paper: 5"),
     ("max_new_tokens", 128, 512, "tokens per generation; paper: 512"),
     ("max_memory_tokens", 1024, 1024, "memory cap in tokens; paper: 1024"),
+    ("max_response_tokens", 4096, 8192, "a conversation's response part is cut here and the trajectory ends"),
+    ("default_top_n", 5, 10, "passages for a call that gives no top_n; paper: 10 (the release's server)"),
+    ("doc_format", "release", "release", "how results are shown: release (raw contents) or search-r1 (Doc k(Title: ...))"),
+    ("system_prompt", None, None, "a file with the system prompt (default: ours; the release's wording for its checkpoints)"),
+    ("memory_instruction", None, None, "a file with the memory-update instruction (default: ours)"),
     ("temperature", 1.0, 1.0, "sampling temperature; paper: 1.0"),
     ("top_p", 0.99, 0.99, "nucleus sampling; paper: 0.99"),
     ("top_k", 10000, 10000, "top-k sampling; paper: 10000"),
-    ("retriever_url", None, None, "a /retrieve server (ours or Search-R1's) shared by all ranks; else a local index"),
+    ("retriever_url", None, None, "a retrieval server shared by all ranks: .../retrieve (Search-R1 API) or .../search (the release's); else a local index"),
     ("corpus", None, None, "local corpus jsonl (default: data/toy/corpus.jsonl); paper: wiki-18.jsonl"),
     ("index", None, None, "local FAISS index (default: built beside the corpus); paper: e5_Flat.index"),
     ("encoder", None, None, "retrieval encoder (default: embedded MiniLM); paper: intfloat/e5-base-v2"),
@@ -82,13 +94,26 @@ def parse_args(argv=None):
         else:
             ap.add_argument(f"--{name}", type=kind, default=None, help=f"{help_} (toy: {toy}; paper: {paper})")
     args = ap.parse_args(argv)
-    preset = args.preset or ("toy" if args.model in (None, "default") else "paper")
+    preset = args.preset or checkpoint_preset(args.model) or ("toy" if args.model in (None, "default") else "paper")
+    args.source = {}  # where each value came from, for configuration errors
     for name, toy, paper, _ in HYPERPARAMETERS:
+        args.source[name] = "flag"
         if getattr(args, name) is None:
             value = toy if preset == "toy" or (name == "train_data" and paper is None) else paper
             setattr(args, name, value)
+            args.source[name] = f"{preset} preset"
     args.preset = preset
     return args
+
+
+def checkpoint_preset(model):
+    """A checkpoint made by train.py continues with the preset it was trained with."""
+    path = os.path.join(str(model), "trainer_state.json")
+    return json.load(open(path))["args"].get("preset") if os.path.isfile(path) else None
+
+
+def described(args, name):
+    return f"--{name} {getattr(args, name)} ({args.source.get(name, 'flag')})"
 
 
 def check_config(args, world_size, distributed_type=None):
@@ -100,9 +125,11 @@ def check_config(args, world_size, distributed_type=None):
     if args.group_size < 2:
         problems.append(f"--group_size must be >= 2 (GRPO compares trajectories within a group), got {args.group_size}")
     if args.batch_size % world_size:
-        problems.append(f"--batch_size {args.batch_size} must be divisible by the {world_size} processes (groups never split across ranks)")
+        problems.append(f"{described(args, 'batch_size')} must be divisible by the {world_size} processes (groups never split across ranks)")
     if args.batch_size % args.mini_batch_size:
-        problems.append(f"--batch_size {args.batch_size} must be a multiple of --mini_batch_size {args.mini_batch_size}")
+        problems.append(f"{described(args, 'batch_size')} must be a multiple of {described(args, 'mini_batch_size')}")
+    if args.doc_format not in retriever.DOC_FORMATS:
+        problems.append(f"--doc_format must be one of {', '.join(retriever.DOC_FORMATS)}, got {args.doc_format!r}")
     if not os.path.isfile(args.train_data):
         problems.append(f"--train_data not found: {args.train_data}")
     if problems:
@@ -144,10 +171,87 @@ def response_logprobs(model, conversations, pad_id, device, micro_batch_size, te
     return result
 
 
-def save_checkpoint(accelerator, model, tokenizer, args, step):
-    """checkpoint-<step>/: the policy (save_pretrained + tokenizer, loadable by transformers and
-    vLLM) and state/ (optimizer, RNG, step). Written as a temporary folder, then renamed."""
-    final = os.path.join(args.output_dir, f"checkpoint-{step}")
+def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args, fields, loss_fn,
+                     temperature=1.0, return_entropy=True):
+    """One optimizer update over `mini` (this rank's conversations), accumulated over micro-batches.
+    Every rank runs the same number of passes (a missing one weighs zero), and every trained token
+    weighs the same wherever it lands: `loss_fn(logprobs, entropy, f, num_tokens)` divides by
+    num_tokens = (trained tokens on all ranks) / world, since DDP averages gradients over ranks.
+    Returns (grad norm, summed loss, metrics summed weighted by tokens, tokens on this rank)."""
+    device = accelerator.device
+    stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), math.ceil(len(mini) / args.micro_batch_size)],
+                         device=device, dtype=torch.float64)
+    global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
+    n_micro = int(accelerator.reduce(stats[1:].clone(), "max").item())
+    total_loss, sums, tokens = 0.0, {}, 0.0
+    for u in range(n_micro):
+        micro = mini[u * args.micro_batch_size:(u + 1) * args.micro_batch_size]
+        weight = 1.0 if micro else 0.0
+        ids, attn, start, f = pad_batch(micro or fallback, pad_id, device, ("loss_mask",) + fields)
+        f["loss_mask"] = f["loss_mask"] * weight
+        sync = accelerator.no_sync(model) if u < n_micro - 1 else contextlib.nullcontext()
+        with sync, accelerator.autocast():  # gradients are all-reduced on the last pass only
+            out = grpo.token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy)
+            logprobs, entropy = out if return_entropy else (out, None)
+            loss, metrics = loss_fn(logprobs, entropy, f, max(global_tokens, 1.0) / accelerator.num_processes)
+            accelerator.backward(loss)
+        n_here = float(f["loss_mask"].sum())
+        total_loss, tokens = total_loss + loss.item(), tokens + n_here
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value * n_here
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))  # the same on every rank
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:  # skipped on all ranks together
+        accelerator.print("warning: non-finite gradient norm, update skipped")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, total_loss, sums, tokens
+
+
+def demonstrations(args, search, tokenizer, rollout_kwargs):
+    """Oracle demonstrations of the first --warm_start_questions train questions (data/oracle.py):
+    acted out through agent.rollout, so prompts, tool turns and loss masks are exactly RL's."""
+    from data import oracle  # the toy world's oracle: needs rows with reasoning chains
+
+    rows = oracle.load_rows(args.train_data)[:args.warm_start_questions]
+    if not all((r.get("metadata") or {}).get("chain") for r in rows):
+        raise SystemExit(f"train.py: --warm_start_steps needs questions with reasoning chains (data/make_toy.py); "
+                         f"{args.train_data} has none: use --warm_start_steps 0")
+    trajectories, stats = oracle.make_demonstrations(rows, search, tokenizer, max_turns=args.max_turns, seed=args.seed,
+                                                     **rollout_kwargs)
+    return [c for t in trajectories for c in t.conversations], stats
+
+
+def warm_start(accelerator, model, optimizer, demos, pad_id, args, log):
+    """--warm_start_steps supervised steps: the token-mean negative log-likelihood over exactly the
+    loss mask RL trains, on --warm_start_batch demonstration conversations a step (split over ranks),
+    through the same micro-batched update as GRPO."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    order, epoch = [], 0
+    bar = tqdm(range(args.warm_start_steps), disable=not accelerator.is_main_process, desc="warm start")
+    for step in bar:
+        while len(order) < (step + 1) * args.warm_start_batch:  # a fresh seeded shuffle every epoch
+            more = list(range(len(demos)))
+            random.Random(args.seed * 7919 + epoch).shuffle(more)
+            order, epoch = order + more, epoch + 1
+        batch = [demos[i] for i in order[step * args.warm_start_batch:(step + 1) * args.warm_start_batch]]
+        mine = sorted(batch[rank::world], key=len)
+        t0 = time.time()
+        nll = lambda logprobs, entropy, f, num_tokens: (-(logprobs * f["loss_mask"]).sum() / num_tokens, {})  # noqa: E731
+        grad_norm, loss, _, tokens = optimizer_update(accelerator, model, optimizer, mine, demos[:1], pad_id, args, (), nll,
+                                                      return_entropy=False)
+        local = torch.tensor([loss, tokens, sum(len(c) for c in mine)], dtype=torch.float64, device=accelerator.device)
+        loss, tokens, context = accelerator.reduce(local, "sum").tolist()
+        seconds = time.time() - t0
+        log({"phase": "warm_start", "step": step + 1, "loss": loss / world, "trained_tokens": tokens,
+             "tokens_per_second": context / seconds, "grad_norm": grad_norm, "seconds": seconds})
+        bar.set_postfix(nll=f"{loss / world:.3f}")
+
+
+def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
+    """checkpoint-<step>/ (or `name`/): the policy (save_pretrained + tokenizer, loadable by
+    transformers and vLLM) and state/ (optimizer, RNG, step). Written as a temporary folder, then renamed."""
+    final = os.path.join(args.output_dir, name or f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,11 +306,14 @@ def main(argv=None, generate_fn=agent.generate):
     rank, world = accelerator.process_index, accelerator.num_processes
     check_config(args, world, accelerator.distributed_type)
     questions = agent.load_questions(args.train_data)
+    default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
+    system_prompt = agent.read_prompt_file(args.system_prompt, default_prompt)
+    memory_instruction = agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION)
     if len(questions) < args.batch_size:
         raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
     set_seed(args.seed)
     with accelerator.main_process_first():  # the main process builds a missing index cache first
-        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url,
+        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
                                           device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
     if args.retriever_url:  # fail fast if the server is not there
         try:
@@ -231,6 +338,44 @@ def main(argv=None, generate_fn=agent.generate):
             frozen.to(accelerator.device)
     policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
     pad_id, device = tokenizer.pad_token_id, accelerator.device
+    rollout_kwargs = dict(agent=args.agent, max_memory_tokens=args.max_memory_tokens, max_response_tokens=args.max_response_tokens,
+                          default_top_n=args.default_top_n, system_prompt=system_prompt, memory_instruction=memory_instruction)
+    # Old log-probs: those recorded while sampling equal a recomputation in float32 without autocast
+    # (tests/test_agent.py: parity 1e-4), so the toy preset skips that forward pass.
+    recorded_old = args.old_logprobs == "recorded" and accelerator.mixed_precision == "no"
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None and k != "source"})
+
+    def log(row):
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+        accelerator.log({f"{row['phase']}/{k}": v for k, v in row.items() if k != "phase"})
+
+    # --- warm start (toy preset, DESIGN §9): oracle demonstrations, saved as warm_start/; GRPO
+    # starts from it and its KL reference is it. --resume skips a finished warm start. ----------
+    warm_dir = os.path.join(args.output_dir, "warm_start")
+    if args.warm_start_steps > 0:
+        if args.resume and os.path.isfile(os.path.join(warm_dir, "trainer_state.json")):
+            accelerator.load_state(os.path.join(warm_dir, "state"))
+            accelerator.print(f"warm start already done: {warm_dir}")
+        else:
+            demos, stats = demonstrations(args, search, tokenizer, rollout_kwargs)
+            accelerator.print(f"oracle demonstrations: {stats['kept']} of {stats['offered']} questions kept, "
+                              f"{stats['conversations']} conversations, {stats['trained_tokens']} trained tokens")
+            for group in optimizer.param_groups:
+                group["lr"] = args.warm_start_lr
+            warm_start(accelerator, model, optimizer, demos, pad_id, args, log)
+            save_checkpoint(accelerator, model, tokenizer, args, 0, name="warm_start")
+        optimizer.optimizer.state.clear()  # GRPO starts with fresh AdamW moments, at its own learning rate
+        for group in optimizer.param_groups:
+            group["lr"] = args.lr
+        if reference is not None:  # the KL reference is the warm-started policy: what RL starts from
+            if sharded:
+                gather_full_weights(model, reference)
+            else:
+                reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
 
     start_step = 0
     if args.resume and list_checkpoints(args.output_dir):
@@ -238,8 +383,6 @@ def main(argv=None, generate_fn=agent.generate):
         accelerator.load_state(os.path.join(last, "state"))
         start_step = json.load(open(os.path.join(last, "trainer_state.json")))["step"]
         accelerator.print(f"resumed from {last} (step {start_step})")
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None})
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                disable=not accelerator.is_main_process, desc="steps")
 
@@ -254,9 +397,9 @@ def main(argv=None, generate_fn=agent.generate):
         torch.manual_seed(args.seed * 100003 + step * world + rank)  # sampling differs per rank and step
         with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
             trajectories = agent.rollout(
-                policy, tokenizer, mine, search, agent=args.agent, group_size=args.group_size, max_turns=args.max_turns,
-                max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn)
+                policy, tokenizer, mine, search, group_size=args.group_size, max_turns=args.max_turns,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                generate_fn=generate_fn, **rollout_kwargs)
         t_rollout = time.time() - t0
 
         # --- rewards -> group advantages -> one advantage per conversation (A_ij = A_i) -------
@@ -268,7 +411,8 @@ def main(argv=None, generate_fn=agent.generate):
         # --- old log-probs (policy, before any update) and reference log-probs ----------------
         t0 = time.time()
         with accelerator.autocast():  # the same precision as the update's forward passes
-            old = response_logprobs(policy, conversations, pad_id, device, args.micro_batch_size, args.temperature)
+            old = ([torch.tensor(c.logprobs) for c in conversations] if recorded_old else
+                   response_logprobs(policy, conversations, pad_id, device, args.micro_batch_size, args.temperature))
             ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
                    if reference is not None else None)
         t_reference = time.time() - t0
@@ -277,50 +421,32 @@ def main(argv=None, generate_fn=agent.generate):
             c.ref_logprobs = ref[k].tolist() if ref is not None else c.old_logprobs
             c.advantages = [c.advantage] * len(c.response_ids)
 
-        # --- PPO epochs: mini-batches (one optimizer step each) of micro-batches ---------------
+        # --- PPO epochs: mini-batches of mini_batch_size x G conversations (one optimizer update
+        # each, in rollout order, as released), each a series of micro-batches ----------------------
         t0 = time.time()
         model.train()
-        n_mini = args.batch_size // args.mini_batch_size
+        n_all = accelerator.reduce(torch.tensor(float(len(conversations)), device=device), "sum").item()
+        n_mini = max(1, math.ceil(n_all / (args.mini_batch_size * args.group_size)))  # the same on every rank
+        bounds = [round(m * len(conversations) / n_mini) for m in range(n_mini + 1)]  # this rank's share of each
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "ratio": 0.0}
         grad_norms, skipped = [], 0
+        def grpo_loss(logprobs, entropy, f, num_tokens):
+            return grpo.policy_loss(logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"],
+                                    f["ref_logprobs"] if reference is not None else None, clip_eps=args.clip_eps,
+                                    clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef, entropy=entropy,
+                                    entropy_coef=args.entropy_coef, num_tokens=num_tokens)
+
         for epoch in range(args.ppo_epochs):
-            order = list(range(len(conversations)))
-            random.Random(args.seed * 7919 + step * 31 + epoch * 7 + rank).shuffle(order)
             for m in range(n_mini):
-                mini = sorted((conversations[i] for i in order[m::n_mini]), key=len)  # similar lengths together
-                local_tokens = sum(sum(c.loss_mask) for c in mini)
-                stats = torch.tensor([local_tokens, math.ceil(len(mini) / args.micro_batch_size)], device=device, dtype=torch.float64)
-                global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
-                n_micro = int(accelerator.reduce(stats[1:].clone(), "max").item())
-                for u in range(n_micro):  # every rank runs n_micro passes; missing ones weigh zero
-                    micro = mini[u * args.micro_batch_size:(u + 1) * args.micro_batch_size]
-                    weight = 1.0 if micro else 0.0
-                    micro = micro or conversations[:1]
-                    fields = ("loss_mask", "old_logprobs", "ref_logprobs", "advantages")
-                    ids, attn, start, f = pad_batch(micro, pad_id, device, fields)
-                    sync = accelerator.no_sync(model) if u < n_micro - 1 else contextlib.nullcontext()
-                    with sync, accelerator.autocast():  # gradients are all-reduced on the last pass only
-                        logprobs, entropy = grpo.token_logprobs(model, ids, attn, args.temperature,
-                                                                response_start=start, return_entropy=True)
-                        loss, metrics = grpo.policy_loss(
-                            logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"] * weight,
-                            f["ref_logprobs"] if reference is not None else None, clip_eps=args.clip_eps,
-                            clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef, entropy=entropy,
-                            entropy_coef=args.entropy_coef, num_tokens=max(global_tokens, 1.0) / world)
-                        accelerator.backward(loss)  # DDP averages over ranks: sum_t l_t / N_all
-                    n_here = float((f["loss_mask"] * weight).sum())
-                    sums["loss"] += loss.item()
-                    for key in ("kl", "clip_frac", "entropy", "ratio"):
-                        sums[key] += metrics[key] * n_here
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip)
-                grad_norm = float(grad_norm)  # identical on every rank: computed from reduced gradients
-                if math.isfinite(grad_norm):
-                    optimizer.step()
-                else:  # skipped on all ranks together
-                    skipped += 1
-                    accelerator.print(f"warning: step {step + 1}: non-finite gradient norm, update skipped")
-                optimizer.zero_grad(set_to_none=True)
+                mini = sorted(conversations[bounds[m]:bounds[m + 1]], key=len)  # similar lengths per micro-batch
+                grad_norm, loss, metrics, _ = optimizer_update(
+                    accelerator, model, optimizer, mini, conversations[:1], pad_id, args,
+                    ("old_logprobs", "ref_logprobs", "advantages"), grpo_loss, temperature=args.temperature)
+                sums["loss"] += loss
+                for key in ("kl", "clip_frac", "entropy", "ratio"):
+                    sums[key] += metrics[key]
                 grad_norms.append(grad_norm)
+                skipped += not math.isfinite(grad_norm)
         t_update = time.time() - t0
 
         # --- metrics over all ranks, samples, checkpoint ---------------------------------------
@@ -328,34 +454,36 @@ def main(argv=None, generate_fn=agent.generate):
         f1 = [agent.f1_score(t.prediction, t.golden_answers) for t in trajectories]
         ctx = [n for t in trajectories for n in t.context_tokens] or [0]
         trained = sum(sum(c.loss_mask) for c in conversations)
-        local = torch.tensor([
+        groups = {}
+        for t in trajectories:
+            groups.setdefault(t.qid, set()).add(t.reward)
+        local = torch.tensor([len(groups), sum(len(r) == 1 for r in groups.values()),
             len(trajectories), sum(t.reward for t in trajectories), sum(em), sum(f1),
             sum(t.reward > 0 for t in trajectories), sum(t.num_turns for t in trajectories),
             sum(t.num_searches for t in trajectories), len(conversations), sum(ctx), len(ctx), trained,
             sums["loss"], sums["kl"], sums["clip_frac"], sums["entropy"], sums["ratio"]], dtype=torch.float64, device=device)
-        total = accelerator.reduce(local, "sum").tolist()
+        n_groups, equal_groups, *total = accelerator.reduce(local, "sum").tolist()
         ctx_max = accelerator.reduce(torch.tensor(float(max(ctx)), device=device), "max").item()
         n, tok = total[0], max(total[10], 1)
         peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else
                 int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
                 if os.path.exists("/proc/self/status") else 0)
-        row = {"step": step + 1, "reward": total[1] / n, "em": total[2] / n, "f1": total[3] / n, "format_valid": total[4] / n,
+        row = {"phase": "grpo", "step": step + 1, "reward": total[1] / n, "em": total[2] / n, "f1": total[3] / n, "format_valid": total[4] / n,
                "turns": total[5] / n, "searches": total[6] / n, "conversations_per_trajectory": total[7] / n,
                "context_tokens_mean": total[8] / max(total[9], 1), "context_tokens_max": ctx_max, "trained_tokens": total[10],
                "loss": total[11] / world / max(len(grad_norms), 1), "kl": total[12] / tok, "clip_frac": total[13] / tok,
                "entropy": total[14] / tok, "ratio": total[15] / tok, "grad_norm": sum(grad_norms) / len(grad_norms),
-               "skipped_updates": skipped, "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout,
+               "updates": len(grad_norms), "skipped_updates": skipped,
+               "equal_reward_groups": equal_groups / n_groups, "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout,
                "seconds_reference": t_reference, "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
+        log(row)
         if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
             with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:
                 for t in trajectories[:args.samples_per_step]:
                     f.write(json.dumps({"step": step + 1, "question": t.question, "golden_answers": t.golden_answers,
                                         "prediction": t.prediction, "reward": t.reward, "end_reason": t.end_reason,
                                         "turns": t.turns}, ensure_ascii=False) + "\n")
             bar.set_postfix(reward=f"{row['reward']:.3f}", turns=f"{row['turns']:.2f}", kl=f"{row['kl']:.4f}")
-        accelerator.log(row, step=step + 1)
         if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
             save_checkpoint(accelerator, model, tokenizer, args, step + 1)
     accelerator.end_training()

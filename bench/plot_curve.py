@@ -1,13 +1,14 @@
-"""The learning curve of a train.py run, as it is: a table, and a plot when matplotlib is there.
+"""The learning curve of a train.py run, as it is: tables, and a plot when matplotlib is there.
 
-    python bench/plot_curve.py runs/memsearcher/metrics.jsonl            # table (+ reward.png beside it)
+    python bench/plot_curve.py runs/memsearcher/metrics.jsonl            # tables (+ reward.png beside it)
     python bench/plot_curve.py /tmp/run/metrics.jsonl --out curve.png --window 5
 
-Reads metrics.jsonl (one JSON row per optimizer step; a run still writing it is fine: a partial
-last line is skipped) and prints step, reward, its moving average over `--window` steps,
-format_valid, turns, searches, kl and seconds per step (rollout + reference + update), then the
-mean reward of the first and last `--window` steps. Nothing is smoothed away: the raw reward is
-printed and plotted next to its moving average.
+Reads metrics.jsonl (a run still writing it is fine: a partial last line is skipped). The warm
+start (rows with phase "warm_start") is a table of its negative log-likelihood per step; GRPO
+(one row per step) is step, reward, its moving average over `--window` steps, format_valid, turns,
+searches, the share of groups with all-equal rewards, kl, clip fraction and seconds per step, then
+the mean reward of the first and last `--window` steps. Nothing is smoothed away: the raw reward is
+printed and plotted next to its moving average. The plot puts both phases on one time line.
 """
 import argparse
 import json
@@ -41,15 +42,24 @@ def seconds_per_step(row):
     return sum(row.get(k, 0.0) for k in ("seconds_rollout", "seconds_reference", "seconds_update"))
 
 
+def print_warm_start(rows):
+    print(f"{'warm':>5} | {'NLL':>7} | {'tok/s':>6} | {'s':>5}")
+    for r in rows:
+        print(f"{r['step']:>5} | {r['loss']:>7.4f} | {r.get('tokens_per_second', 0):>6.0f} | {r.get('seconds', 0):>5.0f}")
+    print(f"warm start: {len(rows)} steps, {sum(r.get('seconds', 0) for r in rows) / 60:.1f} min, "
+          f"NLL {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+
+
 def print_table(rows, window):
     rewards = [r.get("reward", float("nan")) for r in rows]
     smooth = moving_average(rewards, window)
     print(f"{'step':>5} | {'reward':>7} | {f'MA{window}':>7} | {'format':>6} | {'turns':>5} | {'searches':>8} | "
-          f"{'kl':>8} | {'s/step':>6}")
+          f"{'equal':>5} | {'kl':>8} | {'clip':>5} | {'s/step':>6}")
     for r, ma in zip(rows, smooth):
         print(f"{r.get('step', 0):>5} | {r.get('reward', float('nan')):>7.3f} | {ma:>7.3f} | "
               f"{r.get('format_valid', float('nan')):>6.2f} | {r.get('turns', float('nan')):>5.2f} | "
-              f"{r.get('searches', float('nan')):>8.2f} | {r.get('kl', float('nan')):>8.5f} | {seconds_per_step(r):>6.0f}")
+              f"{r.get('searches', float('nan')):>8.2f} | {r.get('equal_reward_groups', float('nan')):>5.2f} | "
+              f"{r.get('kl', float('nan')):>8.5f} | {r.get('clip_frac', float('nan')):>5.3f} | {seconds_per_step(r):>6.0f}")
     k = min(window, len(rows))
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     total = sum(seconds_per_step(r) for r in rows)
@@ -58,7 +68,7 @@ def print_table(rows, window):
     return rewards, smooth
 
 
-def plot(rows, rewards, smooth, window, path, title):
+def plot(warm, rows, rewards, smooth, window, path, title):
     try:
         import matplotlib
     except ImportError:
@@ -67,15 +77,25 @@ def plot(rows, rewards, smooth, window, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, rewards, marker=".", alpha=0.5, label="reward (per step)")
-    ax.plot(steps, smooth, label=f"moving average ({window} steps)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean reward")
-    ax.set_ylim(-0.02, 1.02)  # the reward's whole range: no zooming into noise
-    ax.set_title(title)
-    ax.legend()
+    panels = [p for p in (warm, rows) if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    if warm:
+        ax = axes[0][0]
+        ax.plot([r["step"] for r in warm], [r["loss"] for r in warm], marker=".", color="tab:gray")
+        ax.set_xlabel("warm-start step")
+        ax.set_ylabel("NLL of demonstrations (trained tokens)")
+        ax.set_title("1. warm start")
+    if rows:
+        ax = axes[0][-1]
+        steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
+        ax.plot(steps, rewards, marker=".", alpha=0.5, label="reward (per step)")
+        ax.plot(steps, smooth, label=f"moving average ({window} steps)")
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("mean training reward")
+        ax.set_ylim(-0.02, 1.02)  # the reward's whole range: no zooming into noise
+        ax.set_title(("2. " if warm else "") + "GRPO")
+        ax.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
@@ -92,10 +112,14 @@ def main(argv=None):
         print(f"skipped {skipped} unreadable line(s) (a run still writing?)")
     if not rows:
         raise SystemExit(f"{args.metrics}: no rows yet")
-    rewards, smooth = print_table(rows, max(1, args.window))
+    warm = [r for r in rows if r.get("phase") == "warm_start"]
+    rows = [r for r in rows if r.get("phase", "grpo") == "grpo"]
+    if warm:
+        print_warm_start(warm)
+    rewards, smooth = print_table(rows, max(1, args.window)) if rows else ([], [])
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics)), "reward.png")
     title = os.path.basename(os.path.dirname(os.path.abspath(args.metrics))) or "training"
-    plot(rows, rewards, smooth, max(1, args.window), out, f"reward: {title}")
+    plot(warm, rows, rewards, smooth, max(1, args.window), out, title)
 
 
 if __name__ == "__main__":

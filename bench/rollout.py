@@ -68,7 +68,7 @@ def run_rollouts(model, tokenizer, questions, search, batches, args):
     for batch in batches:
         trajectories += agent.rollout(model, tokenizer, batch, search, agent="memsearcher", greedy=True,
                                       max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                                      invalid_memory="reset", generate_fn=timed_generate(stats))
+                                      evaluation=True, max_memory_tokens=None, generate_fn=timed_generate(stats))
     return trajectories, time.perf_counter() - start, stats
 
 
@@ -147,13 +147,13 @@ def scripted_policy(agent_name, memory_words, answers=None, answer_turn=None):
     def first_generation(prompt_text):
         question = re.search(r"<question> (.*?) </question>", prompt_text, re.S).group(1)
         k = turns[question] = turns.get(question, 0) + 1
-        think = "" if prompt_text.endswith("<think>\n") else "<think>\n"  # ReAct turns 2+ have no prefill
+        think = "" if prompt_text.endswith("<think>") else "<think>"  # ReAct turns 2+ have no prefill
         if answers is not None and k == answer_turn:
-            return f"{think}My notes hold the answer.\n</think>\n\\boxed{{{answers[question]}}}"
+            return f"{think} My notes hold the answer.</think>\n\\boxed{{{answers[question]}}}"
         words = [w for w in re.findall(r"\w+", question) if len(w) > 3 and w.lower() not in QUESTION_WORDS] or [question]
         query = question if k == 1 else " ".join(words[(k - 2) % len(words):][:3])  # then 3 of its words
         call = json.dumps({"name": agent.TOOL_NAME, "arguments": {"query": query, "top_n": 5}})
-        return f"{think}Search {k}: I still need facts about {query}.\n</think>\n<tool_call>\n{call}\n</tool_call>"
+        return f"{think} Search {k}: I still need facts about {query}.</think>\n<tool_call>\n{call}\n</tool_call>"
 
     def memory_update(prompt_text):
         response = prompt_text.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0]
@@ -165,7 +165,7 @@ def scripted_policy(agent_name, memory_words, answers=None, answer_turn=None):
         outs = []
         for p in prompts:
             text = tokenizer.decode(p)
-            phase_one = agent_name == "react" or text.endswith("<think>\n")
+            phase_one = agent_name == "react" or text.endswith("<think>")
             ids = agent.encode(tokenizer, first_generation(text) if phase_one else memory_update(text)) + [end]
             outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
         return outs
@@ -178,7 +178,7 @@ def bench_context(tokenizer, questions, search, args):
     per_agent = {}
     for name in ("memsearcher", "react"):
         trajectories = agent.rollout(None, tokenizer, questions, search, agent=name, max_turns=turns,
-                                     max_context_tokens=10**9, generate_fn=scripted_policy(name, args.memory_words))
+                                     max_response_tokens=10**9, generate_fn=scripted_policy(name, args.memory_words))
         per_agent[name] = trajectories
     print(f"\n== 3. Context tokens per turn (paper Figure 3): {len(questions)} questions, scripted policy that "
           f"searches every turn (real retriever, top_n 5), memory = first {args.memory_words} words of the latest documents")

@@ -72,7 +72,7 @@ def build_conversations(tokenizer, variant, args):
     questions = bench_rollout.load_questions(args.questions)
     search = retriever.open_retriever()
     trajectories = agent.rollout(None, tokenizer, questions, search, agent=variant, max_turns=args.turns,
-                                 max_context_tokens=10**9,
+                                 max_response_tokens=10**9,
                                  generate_fn=bench_rollout.scripted_policy(
                                      variant, args.memory_words, answers={q["question"]: q["golden_answers"][0] for q in questions},
                                      answer_turn=args.turns))

@@ -10,10 +10,26 @@ distractors. Each entity gets one passage, or two splitting its facts (Search-R1
 
 Questions (FlashRAG format): ~50% single-hop (one fact), ~30% bridge (a fact of an entity named only
 through a fact of another, HotpotQA style), ~20% comparison (which is older / larger / taller, or
-yes-no "both" / "same" questions). Each lists the passages stating the facts it needs; test
-questions name no entity that a train question names.
+yes-no "both" / "same" questions). Test questions name no entity that a train question names.
+Each row's metadata records its reasoning chain (what data/oracle.py acts out):
+
+    {"type": "single" | "bridge" | "comparison",
+     "supporting_ids": [passage id, ...],           # the passages stating the facts it needs
+     "chain": [                                     # one hop per fact, in order
+         {"search": "Velmora Quint",                # the entity to look up (the passage title)
+          "fact": "She was born in 1911.",          # the sentence as it appears in the passage
+          "note": "Velmora Quint was born in 1911.",  # the same fact with its subject named
+          "passage_id": "1234",                     # the passage that states it
+          "answer": "1911"}, ...],                  # the hop's answer (a bridge's first hop: the
+                                                    #   entity the second hop looks up)
+     "compare": "smaller" | "larger" | "same"}      # comparisons only: the gold answer is the hop
+                                                    #   entity with the smaller / larger number, or
+                                                    #   yes/no for whether the two answers are equal
+
+The last hop's answer is the gold answer of single-hop and bridge questions.
 
     python data/make_toy.py --out data/toy --seed 0 --passages 3000 --train 2000 --test 200
+    python data/make_toy.py --out data/toy_seed1 --seed 1   # a second world, no name shared with seed 0's
 """
 import argparse
 import json
@@ -140,8 +156,9 @@ LINKS = {"capital", "country", "climber", "source", "river", "birthplace", "empl
 # 3. The world: entities with unique invented names and linked attributes
 # ---------------------------------------------------------------------------------------------
 class World:
-    def __init__(self, rng):
-        self.rng, self.ents, self.used = rng, [], set()
+    def __init__(self, rng, reserved=()):
+        """`reserved`: lower-cased names no entity of this world may take (another world's)."""
+        self.rng, self.ents, self.used = rng, [], set(reserved)
 
     def root(self, n=2):
         return "".join(self.rng.choice(SYLLABLES) for _ in range(n)).capitalize()
@@ -174,8 +191,8 @@ class World:
         return [e for e in self.ents if e["type"] == type_]
 
 
-def build_world(rng, n_passages):
-    w = World(rng)
+def build_world(rng, n_passages, reserved=()):
+    w = World(rng, reserved)
     n = lambda k: max(4, round(k * n_passages / 3000))  # entity counts scale with --passages
     R, pick = rng.randint, rng.choice
     for _ in range(n(14)):
@@ -318,14 +335,14 @@ def make_passages(rng, w, n_passages):
         else:
             pieces.append((e, fs))
     rng.shuffle(pieces)
-    corpus, where = [], {}  # where[(entity index, attribute)] = passage id
+    corpus, where, said = [], {}, {}  # [(entity index, attribute)] = passage id / sentence stating it
     for pid, (e, fs) in enumerate(pieces):
         f = fields(w, e)
         sents = []
         for j, (attr, say, _, _) in enumerate(fs):
             v = answers(w, e, attr)[0]
             sents.append(say.format(S=subject(e, j == 0), v=v, **f))
-            where[(e["i"], attr)] = pid
+            where[(e["i"], attr)], said[(e["i"], attr)] = pid, sents[-1]
         pad = rng.sample(FILLERS[e["type"]], len(FILLERS[e["type"]]))
         target = rng.randint(42, 65)
         while len(" ".join(sents).split()) < target and pad:
@@ -333,23 +350,34 @@ def make_passages(rng, w, n_passages):
         text = " ".join(sents)
         assert 40 <= len(text.split()) <= 100, text
         corpus.append({"id": str(pid), "contents": f'"{e["name"]}"\n{text}'})
-    return corpus, where
+    return corpus, where, said
+
+
+def chain_step(w, where, said, e, attr):
+    """One step of a reasoning chain: look up entity e, read the fact stating its attribute."""
+    f = fields(w, e)
+    say = next(spec[1] for spec in SPEC[e["type"]] if spec[0] == attr)
+    value = answers(w, e, attr)[0]
+    return {"search": e["name"], "fact": said[(e["i"], attr)], "note": say.format(S=subject(e, True), v=value, **f),
+            "passage_id": str(where[(e["i"], attr)]), "answer": value}
 
 
 # ---------------------------------------------------------------------------------------------
 # 6. Candidate questions. Each: group (for balanced sampling), question, answers, supporting
-#    passages, the entities it names, and checks = (passage id, string that passage must state).
+#    passages, the entities it names, checks = (passage id, string that passage must state), and
+#    its reasoning chain (one `chain_step` per fact; comparisons also say how the answer follows).
 # ---------------------------------------------------------------------------------------------
-def single_hop(w, where):
+def single_hop(w, where, said):
     for e in w.ents:
         for attr, _, ask, _ in SPEC[e["type"]]:
             if attr in e["a"]:
                 ans, pid = answers(w, e, attr), where[(e["i"], attr)]
                 yield dict(type="single", group=(e["type"], attr), names=[e["i"]], answers=ans,
-                           question=ask.format(X=ref(e), **fields(w, e)), sup=[pid], checks=[(pid, ans[0])])
+                           question=ask.format(X=ref(e), **fields(w, e)), sup=[pid], checks=[(pid, ans[0])],
+                           chain=[chain_step(w, where, said, e, attr)])
 
 
-def bridge(w, where):
+def bridge(w, where, said):
     for x in w.ents:
         for attr1, _, _, hop in SPEC[x["type"]]:
             if hop is None or attr1 not in x["a"]:
@@ -363,7 +391,8 @@ def bridge(w, where):
                 ans, p1, p2 = answers(w, y, attr2), where[(x["i"], attr1)], where[(y["i"], attr2)]
                 yield dict(type="bridge", group=(x["type"], attr1, attr2), names=[x["i"]], answers=ans,
                            question=ask.format(X=phrase, **fields(w, y)), sup=[p1, p2],
-                           checks=[(p1, y["name"]), (p2, ans[0])])
+                           checks=[(p1, y["name"]), (p2, ans[0])],
+                           chain=[chain_step(w, where, said, x, attr1), chain_step(w, where, said, y, attr2)])
 
 
 WHICH = [  # (type, attribute, question, pick the larger value?)
@@ -381,11 +410,13 @@ SAME = [  # (type, attribute, yes/no question)
     ("company", "industry", "Do {A} and {B} operate in the same industry?")]
 
 
-def comparison(rng, w, where, pool, tries=400):
-    def row(group, q, ans, a, b, attr):
+def comparison(rng, w, where, said, pool, tries=400):
+    def row(group, q, ans, a, b, attr, compare):
         pa, pb = where[(a["i"], attr)], where[(b["i"], attr)]
         return dict(type="comparison", group=group, names=[a["i"], b["i"]], answers=ans, question=q,
-                    sup=[pa, pb], checks=[(pa, answers(w, a, attr)[0]), (pb, answers(w, b, attr)[0])])
+                    sup=[pa, pb], checks=[(pa, answers(w, a, attr)[0]), (pb, answers(w, b, attr)[0])],
+                    chain=[chain_step(w, where, said, a, attr), chain_step(w, where, said, b, attr)],
+                    compare=compare)
 
     for type_, attr, q, larger in WHICH:
         ents = [e for e in w.ents if e["type"] == type_ and e["i"] in pool]
@@ -393,7 +424,8 @@ def comparison(rng, w, where, pool, tries=400):
             a, b = rng.sample(ents, 2)
             if a["a"][attr] != b["a"][attr]:
                 win = max(a, b, key=lambda e: e["a"][attr] * (1 if larger else -1))
-                yield row((type_, attr), q.format(A=ref(a), B=ref(b)), aliases(win), a, b, attr)
+                yield row((type_, attr), q.format(A=ref(a), B=ref(b)), aliases(win), a, b, attr,
+                          "larger" if larger else "smaller")
     for type_, attr, q in SAME:
         ents = [e for e in w.ents if e["type"] == type_ and e["i"] in pool]
         by_value = {}
@@ -407,7 +439,7 @@ def comparison(rng, w, where, pool, tries=400):
                 a, b = rng.sample(ents, 2)
             same = a["a"][attr] == b["a"][attr]
             text = q.format(A=a["name"], B=b["name"], v=a["a"][attr])
-            yield row((type_, attr, same), text, ["yes" if same else "no"], a, b, attr)
+            yield row((type_, attr, same), text, ["yes" if same else "no"], a, b, attr, "same")
 
 
 def sample(rng, cands, n, taken):
@@ -430,6 +462,14 @@ def sample(rng, cands, n, taken):
 # ---------------------------------------------------------------------------------------------
 # 7. Main: build, check every question against its passages, write byte-stable JSONL
 # ---------------------------------------------------------------------------------------------
+def metadata(c):
+    """A question row's metadata: its type, supporting passages and reasoning chain."""
+    meta = {"type": c["type"], "supporting_ids": [str(p) for p in c["sup"]], "chain": c["chain"]}
+    if "compare" in c:
+        meta["compare"] = c["compare"]
+    return meta
+
+
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for r in rows:
@@ -443,10 +483,15 @@ def main():
                     help="output folder (data/toy beside this script)")
     for flag, default in (("--seed", 0), ("--passages", 3000), ("--train", 2000), ("--test", 200)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--avoid_seed", type=int, default=0,
+                    help="no entity may take a name of this seed's world (ignored when it is --seed; -1: none)")
     args = ap.parse_args()
+    reserved = set()
+    if args.avoid_seed not in (-1, args.seed):  # a second world for transfer: every name is new
+        reserved = build_world(random.Random(args.avoid_seed), args.passages).used
     rng = random.Random(args.seed)
-    w = build_world(rng, args.passages)
-    corpus, where = make_passages(rng, w, args.passages)
+    w = build_world(rng, args.passages, reserved)
+    corpus, where, said = make_passages(rng, w, args.passages)
     texts = [c["contents"] for c in corpus]
 
     # Entities named by test questions are never named by train questions.
@@ -457,16 +502,15 @@ def main():
     for split, n, pool in (("test", args.test, test_pool), ("train", args.train, train_pool)):
         inside = lambda c: all(i in pool for i in c["names"])
         n_single, n_bridge = round(0.5 * n), round(0.3 * n)
-        rows = (sample(rng, [c for c in single_hop(w, where) if inside(c)], n_single, taken)
-                + sample(rng, [c for c in bridge(w, where) if inside(c)], n_bridge, taken)
-                + sample(rng, list(comparison(rng, w, where, pool)), n - n_single - n_bridge, taken))
+        rows = (sample(rng, [c for c in single_hop(w, where, said) if inside(c)], n_single, taken)
+                + sample(rng, [c for c in bridge(w, where, said) if inside(c)], n_bridge, taken)
+                + sample(rng, list(comparison(rng, w, where, said, pool)), n - n_single - n_bridge, taken))
         rng.shuffle(rows)
         for c in rows:
-            for pid, s in c["checks"]:
+            for pid, s in c["checks"] + [(int(h["passage_id"]), h["fact"]) for h in c["chain"]]:
                 assert s in texts[pid], (c["question"], s, texts[pid])
         splits[split] = [{"id": f"{split}_{k}", "question": c["question"], "golden_answers": c["answers"],
-                          "metadata": {"type": c["type"], "supporting_ids": [str(p) for p in c["sup"]]}}
-                         for k, c in enumerate(rows)]
+                          "metadata": metadata(c)} for k, c in enumerate(rows)]
     assert not {r["question"] for r in splits["train"]} & {r["question"] for r in splits["test"]}
 
     os.makedirs(args.out, exist_ok=True)

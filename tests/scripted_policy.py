@@ -36,7 +36,7 @@ def scripted_generate(model, tokenizer, prompts, **sampling):
         text = tokenizer.decode(p)
         question = re.search(r"<question> (.*?) </question>", text, re.S).group(1)
         searched = int((re.findall(r"<memory> searched (\d+) </memory>", text) or ["0"])[-1])
-        if not text.endswith("<think>\n"):  # memory update
+        if not text.endswith("<think>"):  # memory update
             out = f"<memory>searched {searched + 1}</memory>"
         elif searched < 2 * RANK:
             out = CALL % question[:40]

@@ -1,5 +1,6 @@
 """agent.py: prompt, parsing, reward, batched rollouts of MemSearcher and ReAct, log-prob parity."""
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -36,10 +37,10 @@ class FakeSearch:
 
 def search_then_answer(prompt):
     """Turn 1: search. After reading: a memory. Turn 2 (memory holds the answer): answer."""
-    if prompt.endswith("<think>\n"):
+    if prompt.endswith("<think>"):
         if "born in Osk" in prompt.split("<memory>")[-1]:
-            return "The memory says Osk.\n</think>\n\\boxed{Osk}"
-        return "I must look this up.\n</think>\n" + CALL
+            return " The memory says Osk.</think>\n\\boxed{Osk}"
+        return " I must look this up.</think>\n" + CALL
     return "<memory>Velmora Quint was born in Osk.</memory>"
 
 
@@ -49,14 +50,34 @@ def run(tokenizer, policy, questions=(Q,), finished=True, **kw):
     return trajectories, search
 
 
+EVAL = dict(evaluation=True, max_memory_tokens=None)  # the release's evaluation loop
+
+
 # --- prompt --------------------------------------------------------------------------------------
 def test_prompt_is_the_chat_template_plus_think(tokenizer):
     text = agent.memsearcher_prompt("Q?", "M.")
     messages = [{"role": "system", "content": agent.SYSTEM_PROMPT},
                 {"role": "user", "content": "<question> Q? </question>\n\n<memory> M. </memory>"}]
-    assert text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + "<think>\n"
-    assert "wikipedia_search" in agent.SYSTEM_PROMPT and "\\boxed{answer}" in agent.SYSTEM_PROMPT
-    assert "Search Wikipedia for a given query." in agent.SYSTEM_PROMPT and '"top_n"' in agent.SYSTEM_PROMPT
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + "<think>"
+    assert "\\boxed{" in agent.SYSTEM_PROMPT and "<tool_call>\n{" in agent.SYSTEM_PROMPT
+    schema = agent.SYSTEM_PROMPT.split("```json\n")[1].split("\n```")[0]  # a JSON list, pretty-printed, in a fence
+    assert schema == json.dumps(agent.TOOL_SCHEMA, indent=4) and json.loads(schema)[0]["function"]["name"] == "wikipedia_search"
+    assert '\n    {\n        "type": "function"' in schema and json.loads(schema)[0]["function"]["parameters"]["required"] == ["query"]
+
+
+def test_prompt_files_replace_our_wording(tokenizer, tmp_path):
+    (tmp_path / "system.txt").write_text("RELEASED SYSTEM PROMPT\n")
+    (tmp_path / "memory.txt").write_text("RELEASED MEMORY INSTRUCTION")
+    system = agent.read_prompt_file(str(tmp_path / "system.txt"), agent.SYSTEM_PROMPT)
+    instruction = agent.read_prompt_file(str(tmp_path / "memory.txt"), agent.MEMORY_INSTRUCTION)
+    assert agent.read_prompt_file(None, "ours") == "ours"
+    (t,), _ = run(tokenizer, search_then_answer, system_prompt=system, memory_instruction=instruction)
+    first = tokenizer.decode(t.conversations[0].prompt_ids + t.conversations[0].response_ids)
+    assert first.startswith("<|im_start|>system\nRELEASED SYSTEM PROMPT<|im_end|>") and agent.SYSTEM_PROMPT not in first
+    assert "</tool_response>\nRELEASED MEMORY INSTRUCTION<|im_end|>" in first and t.reward == 1.0
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(ValueError, match="empty"):
+        agent.read_prompt_file(str(tmp_path / "empty.txt"), "x")
 
 
 # --- a two-turn trajectory, masks, groups --------------------------------------------------------
@@ -81,15 +102,24 @@ def test_masks_line_up_with_generations_and_tool_turn(tokenizer):
         if end == len(c.loss_mask) or c.loss_mask[end] != c.loss_mask[start]:
             runs.append((c.loss_mask[start], tokenizer.decode(c.response_ids[start:end])))
             start = end
-    tool_turn = agent.tool_response_turn(
-        [{"json": '{"name": "wikipedia_search", "arguments": {"query": "Velmora Quint"}}'}],
-        ['Doc 1(Title: "Velmora Quint") SECRET-DOC about Velmora Quint and the town of Osk.'], agent.MEMORY_INSTRUCTION)
-    assert runs == [(1, "I must look this up.\n</think>\n" + CALL + "<|im_end|>"),
+    body = '{"name": "wikipedia_search", "arguments": {"query": "Velmora Quint"}}'
+    tool_turn = ("\n<|im_start|>user\n<tool_response>" + body + '\nDoc 1(Title: "Velmora Quint") SECRET-DOC about '
+                 "Velmora Quint and the town of Osk.\n</tool_response>\n" + agent.MEMORY_INSTRUCTION
+                 + "<|im_end|>\n<|im_start|>assistant\n")
+    assert runs == [(1, " I must look this up.</think>\n" + CALL + "<|im_end|>"),
                     (0, tool_turn),
                     (1, "<memory>Velmora Quint was born in Osk.</memory><|im_end|>")]
-    assert tool_turn.endswith("</tool_response>\n" + agent.MEMORY_INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n")
     assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask) if m == 0)
     assert all(lp == -1.0 for lp, m in zip(c.logprobs, c.loss_mask) if m == 1)
+
+
+def test_memory_instruction_follows_each_tool_response(tokenizer):
+    two_calls = " Two.</think>\n" + CALL + CALL.replace("Velmora Quint", "Osk")
+    (t,), search = run(tokenizer, lambda p: two_calls if p.endswith("<think>") else "<memory>m</memory>", max_turns=1)
+    text = tokenizer.decode(t.conversations[0].response_ids)
+    assert search.calls == [(["Velmora Quint", "Osk"], [5, 5])]
+    assert text.count("</tool_response>\n" + agent.MEMORY_INSTRUCTION) == 2
+    assert text.count(agent.MEMORY_INSTRUCTION + "<tool_response>") == 1
 
 
 def test_groups_share_question_id_and_searches_are_batched(tokenizer):
@@ -101,80 +131,126 @@ def test_groups_share_question_id_and_searches_are_batched(tokenizer):
 
 
 def test_top_n_reaches_search_and_is_clamped(tokenizer):
-    call = '<tool_call>{"name": "wikipedia_search", "arguments": {"query": "a", "top_n": %s}}</tool_call>'
-    for given, used in [("3", 3), ("50", agent.MAX_TOP_N), ("0", 1), ('"x"', agent.DEFAULT_TOP_N)]:
-        _, search = run(tokenizer, lambda p, g=given: "</think>" + call % g if p.endswith("<think>\n") else "<memory>m</memory>",
-                        max_turns=1)
+    call = '<tool_call>{"name": "wikipedia_search", "arguments": {"query": "a"%s}}</tool_call>'
+    for given, default, used in [(', "top_n": 3', 5, 3), (', "top_n": 50', 5, agent.MAX_TOP_N), (', "top_n": 0', 5, 1),
+                                 (', "top_n": "x"', 5, 5), ("", 5, 5), ("", 10, 10)]:  # paper preset: no top_n -> 10
+        _, search = run(tokenizer, lambda p, g=given: "</think>" + call % g if p.endswith("<think>") else "<memory>m</memory>",
+                        max_turns=1, default_top_n=default)
         assert search.calls[0][1] == [used]
 
 
-# --- every malformed output has a defined outcome ------------------------------------------------
+# --- every malformed output has a defined outcome, as released -----------------------------------
+PARSE_ERROR, BAD_QUERY = "Error: failed to parse the tool call", "Error: invalid query."
+
+
+@pytest.mark.parametrize("output,tool_response", [
+    ("</think>\n<tool_call>{not json}</tool_call>", PARSE_ERROR),
+    ("</think>\n<tool_call>[1, 2]</tool_call>", PARSE_ERROR),
+    ('</think>\n<tool_call>{"name": "wikipedia_search"}</tool_call>', PARSE_ERROR),
+    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": "Osk"}</tool_call>', PARSE_ERROR),
+    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "  "}}</tool_call>', BAD_QUERY),
+    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": 7}}</tool_call>', BAD_QUERY),
+    ('</think>\n<tool_call>{"arguments": {}}</tool_call>', BAD_QUERY),
+    ('</think>\n<tool_call>{"name": "web_browse", "arguments": {"query": "x"}}</tool_call>', "SECRET-DOC about x"),  # name unchecked
+])
+def test_malformed_tool_calls_still_get_a_response_and_a_memory_update(tokenizer, output, tool_response):
+    (t,), search = run(tokenizer, lambda p: output if p.endswith("<think>") else "<memory>m</memory>", max_turns=2)
+    assert (t.end_reason, t.num_turns, t.num_searches, t.memory) == ("max_turns", 2, 2, "m")
+    assert search.calls == ([(["x"], [5])] * 2 if "SECRET" in tool_response else [])
+    first = tokenizer.decode(t.conversations[0].response_ids)
+    assert tool_response in first and first.endswith("<memory>m</memory><|im_end|>") and t.reward == 0.0
+
+
 @pytest.mark.parametrize("output,end_reason,prediction,reward", [
     ("no tags at all", "no_answer", None, 0.0),
-    ("</think>\n<tool_call>{not json}</tool_call>", "invalid_tool_call", None, 0.0),
-    ("</think>\n<tool_call>[1, 2]</tool_call>", "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"arguments": {"query": "x"}}</tool_call>', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"name": "wikipedia_search"}</tool_call>', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"name": "web_browse", "arguments": {"query": "x"}}</tool_call>', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "  "}}</tool_call>', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": 7}}</tool_call>', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": "Osk"}</tool_call>', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "x"}}', "invalid_tool_call", None, 0.0),
-    ('</think>\n<tool_call><tool_call>{"name": "wikipedia_search", "arguments": {"query": "x"}}</tool_call></tool_call>',
-     "invalid_tool_call", None, 0.0),
+    ('</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "x"}}', "no_answer", None, 0.0),  # unclosed
+    ('</think>\n</tool_call>{"name": "w", "arguments": {"query": "x"}}<tool_call>', "no_answer", None, 0.0),  # misordered
+    ('</think>\n<tool_call><tool_call>{"name": "w", "arguments": {"query": "x"}}</tool_call></tool_call>', "no_answer", None, 0.0),
     ("</think>\n\\boxed{Osk", "no_answer", None, 0.0),
     ("</think>\n\\boxed{Osk} -- and some text after the answer", "answer", "Osk", 1.0),
     ("</think>\n\\boxed{\\text{Osk}}", "answer", "\\text{Osk}", 0.1),  # normalises to "textosk"
     ("</think>\n\\boxed{Paris}", "answer", "Paris", 0.1),
+    ("</think>\nso $\\boxed Osk$.", "answer", "Osk", 1.0),  # the `\boxed answer` form
     ("no closing think \\boxed{Osk}", "answer", "Osk", 0.0),
     ("</think>\n<think></think>\\boxed{Osk}", "answer", "Osk", 1.0),
     ("</think>\n</think>\\boxed{Osk}", "answer", "Osk", 0.0),
 ])
-def test_malformed_first_generation(tokenizer, output, end_reason, prediction, reward):
+def test_first_generation_without_a_tool_call_ends_the_trajectory(tokenizer, output, end_reason, prediction, reward):
     (t,), search = run(tokenizer, lambda p: output)
     assert (t.end_reason, t.prediction, t.num_turns, search.calls) == (end_reason, prediction, 1, [])
     assert t.reward == pytest.approx(reward)
 
 
-def test_generation_cut_at_token_limit_ends_with_zero_reward(tokenizer):
+def test_generation_cut_at_token_limit(tokenizer):
     (t,), _ = run(tokenizer, lambda p: "</think>\n\\boxed{Osk}", finished=False)
     assert (t.end_reason, t.reward) == ("length", 0.0)
-    (t,), _ = run(tokenizer, lambda p: "</think>\n" + CALL if p.endswith("<think>\n") else "<memory>x", finished=False)
-    assert (t.end_reason, t.num_searches, t.reward) == ("length", 0, 0.0)  # cut before its tool call closed
+    policy = lambda p: "</think>\n" + CALL if p.endswith("<think>") else "<memory>x</memory>"  # noqa: E731
+    (t,), search = run(tokenizer, policy, finished=False)
+    assert (t.end_reason, t.num_searches, search.calls) == ("length", 0, [])  # training: its calls never run
+    (t,), search = run(tokenizer, policy, finished=False, max_turns=2, **EVAL)
+    assert (t.end_reason, t.num_searches, t.memory) == ("max_turns", 2, "x")  # evaluation: they do, and it goes on
+
+
+def test_illegal_stop_at_im_start_ends_the_trajectory(tokenizer):
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start in agent.stop_token_ids(tokenizer) and im_start not in agent.end_of_turn_ids(tokenizer)
+
+    def generate_fn(model, tok, prompts, **kw):  # answers, but stops at <|im_start|> instead of <|im_end|>
+        ids = agent.encode(tok, " ok</think>\n\\boxed{Osk}") + [im_start]
+        return [Generation(ids=ids, logprobs=[-1.0] * len(ids), finished=True) for _ in prompts]
+
+    for kw in ({}, EVAL):
+        (t,) = agent.rollout(None, tokenizer, [Q], FakeSearch(), generate_fn=generate_fn, **kw)
+        c = t.conversations[0]
+        assert (t.end_reason, t.reward) == ("illegal_stop", 0.0)  # not ended by the end-of-turn token
+        assert c.response_ids[-1] == im_start and c.loss_mask[-1] == 1  # kept, and trained
 
 
 @pytest.mark.parametrize("update,train_end,eval_memory", [
     ("no tags, just prose", "invalid_memory", ""),
     ("<memory>never closed", "invalid_memory", ""),
     ("<memory>outer <memory>inner</memory></memory>", "invalid_memory", ""),
-    ("<memory></memory>", "max_turns", ""),  # an empty memory is a valid (if useless) update
+    ("<memory>a</memory> and </memory>", "invalid_memory", ""),  # unbalanced anywhere
+    ("</memory>x<memory>a</memory>", "invalid_memory", ""),  # misordered
+    ("<memory>  </memory>", "empty_memory", ""),  # empty: ends a training trajectory
     ("<memory> Osk facts </memory> trailing words", "max_turns", "Osk facts"),
+    ("<memory> first </memory> then <memory>second</memory>", "max_turns", "first"),
 ])
 def test_memory_update_outcomes(tokenizer, update, train_end, eval_memory):
-    policy = lambda p: "</think>\n" + CALL if p.endswith("<think>\n") else update  # noqa: E731
-    (t,), _ = run(tokenizer, policy, max_turns=2, invalid_memory="end")
+    policy = lambda p: "</think>\n" + CALL if p.endswith("<think>") else update  # noqa: E731
+    (t,), _ = run(tokenizer, policy, max_turns=2)
     assert t.end_reason == train_end and t.reward == 0.0
-    (t,), _ = run(tokenizer, policy, max_turns=2, invalid_memory="reset")
+    (t,), _ = run(tokenizer, policy, max_turns=2, **EVAL)
     assert (t.end_reason, t.memory, t.num_turns) == ("max_turns", eval_memory, 2)  # evaluation goes on
     assert f"<memory> {eval_memory} </memory>" in tokenizer.decode(t.conversations[1].prompt_ids)
 
 
-def test_overlong_memory_ends_trajectory(tokenizer):
-    policy = lambda p: "</think>\n" + CALL if p.endswith("<think>\n") else "<memory>" + "Osk " * 20 + "</memory>"  # noqa: E731
+def test_memory_cap_in_training_not_in_evaluation(tokenizer):
+    policy = lambda p: "</think>\n" + CALL if p.endswith("<think>") else "<memory>" + "Osk " * 20 + "</memory>"  # noqa: E731
     (t,), _ = run(tokenizer, policy, max_turns=3, max_memory_tokens=10)
     assert (t.end_reason, t.num_turns, t.memory) == ("memory_overflow", 1, "")
+    (t,), _ = run(tokenizer, policy, max_turns=2, **EVAL)
+    assert t.memory == ("Osk " * 20).strip()  # no cap by default
+    (t,), _ = run(tokenizer, policy, max_turns=2, evaluation=True, max_memory_tokens=10)
+    assert t.memory == ""  # a cap set by flag resets an oversized memory
+
+
+def test_evaluation_answer_ignores_boxed_inside_think(tokenizer):
+    output = " maybe \\boxed{Vey}? No.</think>\n\\boxed{Osk} <think>or \\boxed{Tamberlay}</think>"
+    (t,), _ = run(tokenizer, lambda p: output, **EVAL)
+    assert t.prediction == "Osk"  # last boxed after removing <think>...</think>
+    (t,), _ = run(tokenizer, lambda p: output)
+    assert t.prediction == "Tamberlay"  # training reads the last boxed of the message as it is
 
 
 def test_bad_arguments_are_errors(tokenizer):
     with pytest.raises(ValueError, match="agent"):
         run(tokenizer, search_then_answer, agent="toolformer")
-    with pytest.raises(ValueError, match="invalid_memory"):
-        run(tokenizer, search_then_answer, invalid_memory="ignore")
 
 
 # --- context: bounded for MemSearcher, growing for ReAct -----------------------------------------
 def always_search(prompt):
-    if prompt.endswith("<think>\n"):
+    if prompt.endswith("<think>"):
         return "Not yet.\n</think>\n" + CALL
     return "<memory>Velmora Quint: birthplace unknown so far.</memory>"
 
@@ -192,8 +268,9 @@ def test_memsearcher_context_stays_flat_while_react_grows(tokenizer):
 
 
 def test_react_context_overflow(tokenizer):
-    (r,), _ = run(tokenizer, lambda p: "</think>\n" + CALL, agent="react", max_turns=10, max_context_tokens=900)
+    (r,), _ = run(tokenizer, lambda p: "</think>\n" + CALL, agent="react", max_turns=10, max_response_tokens=300)
     assert r.end_reason == "context_overflow" and r.reward == 0.0
+    assert len(r.conversations[0].response_ids) == len(r.conversations[0].loss_mask) == 300  # truncated to the budget
 
 
 # --- generation with a real (tiny random) model: batching, truncation, log-prob parity -----------
@@ -228,7 +305,7 @@ def eager_end_lm(tiny_lm, tokenizer, strength):
     return model
 
 
-@pytest.mark.parametrize("temperature,strength", [(1.0, 0.15), (0.7, 0.12)])
+@pytest.mark.parametrize("temperature,strength", [(1.0, 0.075), (0.7, 0.06)])
 def test_recorded_logprobs_equal_training_forward(tiny_lm, tokenizer, temperature, strength):
     model = eager_end_lm(tiny_lm, tokenizer, strength)
     prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q, m)) for q, m in PARITY_PROMPTS]
@@ -252,7 +329,7 @@ def test_parity_across_masked_tool_turn(tiny_lm, tokenizer):
     torch.manual_seed(2)
 
     def gen_fn(model, tok, prompts, **kw):
-        if all(tok.decode(p).endswith("<think>\n") for p in prompts):
+        if all(tok.decode(p).endswith("<think>") for p in prompts):
             return scripted(lambda p: "</think>\n" + CALL)(model, tok, prompts)
         return agent.generate(model, tok, prompts, **kw)
 
@@ -266,11 +343,11 @@ def test_parity_across_masked_tool_turn(tiny_lm, tokenizer):
 
 
 def test_greedy_rollout_with_real_model_is_deterministic(tiny_lm, tokenizer):
-    kw = dict(greedy=True, max_turns=2, max_new_tokens=8, invalid_memory="reset")
+    kw = dict(greedy=True, max_turns=2, max_new_tokens=8, **EVAL)
     a = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), **kw)
     b = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), **kw)
     assert a[0].conversations[0].response_ids == b[0].conversations[0].response_ids
-    assert a[0].end_reason in ("length", "no_answer", "invalid_tool_call", "answer")
+    assert a[0].end_reason in ("length", "no_answer", "answer", "illegal_stop", "max_turns")
 
 
 # --- reward and metrics on hand cases ------------------------------------------------------------
@@ -291,17 +368,76 @@ def test_reward_by_hand():
     assert agent.compute_reward(good, True, ["Osk"]) == pytest.approx(2 * 0.5 * 1 / 1.5)
     assert agent.compute_reward(good, False, ["Osk"]) == 0.0  # did not end with <|im_end|>
     assert agent.compute_reward(head + "x</think>\\boxed{Vey}<|im_end|>", True, ["Osk"]) == 0.1
-    two = head + "</think>" + CALL + "<|im_end|>\n<|im_start|>user\ndocs<|im_end|>\n" + agent.ASSISTANT_HEADER
-    assert agent.compute_reward(two + "<memory>m</memory><|im_end|>", True, ["Osk"]) == 0.0  # last message: no \boxed
-    assert agent.compute_reward(two + "<think>\\boxed{Osk}<|im_end|>", True, ["Osk"]) == 0.0  # unpaired think
+
+
+# The released reward on edge cases (DESIGN §4). Each case is a list of assistant messages after the
+# prefilled "<think>" of the first; the tool turn between messages is masked text the check ignores.
+GOOD_CALL = '<tool_call>{"name": "wikipedia_search", "arguments": {"query": "x"}}</tool_call>'
+REWARD_CASES = [
+    (["a</think>\\boxed{Osk}"], ["Osk"], 1.0),
+    (["a</think>\\boxed Osk"], ["Osk"], 1.0),  # `\boxed answer`, no braces
+    (["a</think>$\\boxed Osk town$ and more"], ["Osk"], 2 / 3),  # up to the `$`
+    (["a</think>\\boxed Vey then \\boxed{Osk}"], ["Osk"], 0.1),  # `\boxed ` wins: "vey then boxedosk", F1 0
+    (["a</think>\\boxed{a{b}c} \\boxed{Osk}"], ["Osk"], 1.0),  # the last one, braces matched
+    (["a</think>\\boxed{Osk"], ["Osk"], 0.0),  # never closed: no answer
+    (["a</think>\\boxed{}"], ["Osk"], 0.1),  # well-formed, F1 0
+    (["a</think>\\fbox{Osk}"], ["Osk"], 0.0),  # "\fbox" does not contain "\box"
+    (["a</think>\\boxedOsk"], ["Osk"], 0.0),  # contains "\box", but no boxed expression
+    (["a</think>\\boxed{yes}"], ["Yes"], 1.0),
+    (["a</think>\\boxed{yes sir}"], ["yes"], 0.1),  # yes/no only score when equal
+    (["a</think>\\boxed{no}"], ["yes"], 0.1),
+    (["a</think><think>b</think>\\boxed{Osk}"], ["Osk"], 1.0),
+    (["a</think></think>\\boxed{Osk}"], ["Osk"], 0.0),  # unequal think counts
+    (["a\\boxed{Osk}"], ["Osk"], 0.0),  # the prefilled <think> never closed
+    (["a</think>" + GOOD_CALL, "<memory>m</memory>", " b</think>\\boxed{Osk}"], ["Osk"], 0.0),  # last message: </think> without <think>
+    (["a</think>" + GOOD_CALL, "<memory>m</memory> \\boxed{Osk}"], ["Osk"], 1.0),  # last message boxes: it counts
+    (["a</think>" + GOOD_CALL, "<think>m</think>\\boxed{Osk}"], ["Osk"], 1.0),
+    (["a</think>" + GOOD_CALL, "<think>m\\boxed{Osk}"], ["Osk"], 0.0),  # unpaired think in a later message
+    (["a</think><tool_call>{not json}</tool_call>", "\\boxed{Osk}"], ["Osk"], 0.0),  # first message: JSON checked
+    (['a</think><tool_call>{"name": "w"}</tool_call>', "\\boxed{Osk}"], ["Osk"], 0.0),  # no "arguments"
+    (["a</think>" + GOOD_CALL, "<tool_call>{not json}</tool_call>\\boxed{Osk}"], ["Osk"], 1.0),  # later: only paired
+    (["a</think>" + GOOD_CALL, "<tool_call>{not json}\\boxed{Osk}"], ["Osk"], 0.0),  # unpaired in a later message
+]
+
+
+def reward_case_text(messages):
+    """A ReAct-style multi-message conversation: the messages joined by masked user turns."""
+    text = agent.react_prompt("Q")
+    for k, m in enumerate(messages):
+        text += m + "<|im_end|>"
+        if k < len(messages) - 1:
+            text += "\n<|im_start|>user\n<tool_response>docs</tool_response><|im_end|>\n" + agent.ASSISTANT_HEADER
+    return text
+
+
+@pytest.mark.parametrize("messages,golds,expected", REWARD_CASES)
+def test_released_reward_on_edge_cases(messages, golds, expected):
+    assert agent.compute_reward(reward_case_text(messages), True, golds) == pytest.approx(expected)
 
 
 def test_extractors():
     assert agent.extract_boxed("a \\boxed{1} b \\boxed{x{y}z} c") == "x{y}z"
     assert agent.extract_boxed("\\boxed{open") is None and agent.extract_boxed("none") is None
+    assert agent.extract_boxed("$\\boxed 42$") == "42" and agent.extract_boxed("\\boxed{1} \\boxed 2") == "2"
     assert agent.extract_memory("<memory> a </memory><memory>b</memory>") == "a"
-    calls, err = agent.parse_tool_calls(CALL + CALL.replace("Velmora Quint", "Osk"))
-    assert err is None and [c["query"] for c in calls] == ["Velmora Quint", "Osk"]
+    assert agent.extract_memory("<memory>a</memory></memory>") is None and agent.extract_memory("none") is None
+    calls = agent.parse_tool_calls(CALL + CALL.replace("Velmora Quint", "Osk"))
+    assert [c["query"] for c in calls] == ["Velmora Quint", "Osk"] and all(c["error"] is None for c in calls)
+    assert agent.parse_tool_calls("</tool_call>" + CALL) == []  # misordered: no call at all
+
+
+def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
+    rows = [{"id": "train_0", "question": "a?", "golden_answers": ["x"], "data_source": "nq"},
+            {"id": "train_0", "question": "b?", "golden_answers": ["y"], "data_source": "hotpotqa"},
+            {"id": "train_1", "question": "c?", "golden_answers": ["z"], "data_source": "nq"},
+            {"question": "d?", "golden_answers": ["w"]}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ids = [q["id"] for q in agent.load_questions(str(path))]
+    assert ids == ["nq/train_0/row1", "hotpotqa/train_0/row2", "train_1", "train/row4"]
+    import grpo
+    adv = grpo.group_advantages([1.0, 0.0, 0.0, 1.0], [ids[0], ids[0], ids[1], ids[1]])  # two groups, not one
+    assert adv.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
 
 
 # --- the policy model loader and the embedded default --------------------------------------------
@@ -337,3 +473,15 @@ def test_default_model_loads_trains_and_saves(tmp_path):
     reloaded, _ = agent.load_model(str(tmp_path))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+def test_a_run_folder_stands_for_its_newest_checkpoint(tmp_path):
+    assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path)  # nothing saved yet
+    for name in ("warm_start", "checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    for name in ("checkpoint-2", "checkpoint-10"):
+        (tmp_path / name / "config.json").unlink()
+    assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path / "warm_start")
+    assert agent.newest_checkpoint(str(tmp_path / "warm_start")) == str(tmp_path / "warm_start")

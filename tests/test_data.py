@@ -1,4 +1,5 @@
-"""The committed toy data set (data/toy/): formats, answerability, splits, and reproducibility."""
+"""The committed toy worlds (data/toy/, and data/toy_seed1/ for transfer): formats, answerability,
+reasoning chains, splits, reproducibility; and the oracle's demonstrations (data/oracle.py)."""
 import json
 import re
 import subprocess
@@ -8,33 +9,42 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOY = ROOT / "data" / "toy"
+DATA = ROOT / "data"
+WORLDS = {"toy": 0, "toy_seed1": 1}  # folder: seed
 FILES = ("corpus.jsonl", "train.jsonl", "test.jsonl")
 KINDS = ("single", "bridge", "comparison")
 
 
-def read_jsonl(name):
-    return [json.loads(line) for line in (TOY / name).read_text(encoding="utf-8").split("\n")[:-1]]
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").split("\n")[:-1]]
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    return read_jsonl("corpus.jsonl")
+def title(row):
+    return row["contents"].split("\n")[0].strip('"')
 
 
-@pytest.fixture(scope="module")
-def qa():
-    return {split: read_jsonl(f"{split}.jsonl") for split in ("train", "test")}
+@pytest.fixture(scope="module", params=list(WORLDS))
+def world(request):
+    """One world: its folder name, corpus rows and question rows per split."""
+    folder = DATA / request.param
+    return {"name": request.param, "corpus": read_jsonl(folder / "corpus.jsonl"),
+            "qa": {split: read_jsonl(folder / f"{split}.jsonl") for split in ("train", "test")}}
 
 
-def test_files_are_newline_terminated_jsonl_and_small():
+# ---------------------------------------------------------------------------------------------
+# The data files
+# ---------------------------------------------------------------------------------------------
+def test_files_are_newline_terminated_jsonl_and_small(world):
+    folder = DATA / world["name"]
     for name in FILES:
-        data = (TOY / name).read_bytes()
+        data = (folder / name).read_bytes()
         assert data.endswith(b"\n") and b"\r" not in data and b"\n\n" not in data
-    assert (TOY / "corpus.jsonl").stat().st_size < 2_000_000
+    assert (folder / "corpus.jsonl").stat().st_size < 2_000_000
+    assert sum((folder / name).stat().st_size for name in FILES) < 2_500_000
 
 
-def test_corpus_ids_and_contents(corpus):
+def test_corpus_ids_and_contents(world):
+    corpus = world["corpus"]
     assert len(corpus) >= 1000
     for i, row in enumerate(corpus):
         assert list(row) == ["id", "contents"]
@@ -44,8 +54,9 @@ def test_corpus_ids_and_contents(corpus):
         assert 30 <= len(m.group(2).split()) <= 120
 
 
-def test_qa_rows_are_well_formed(corpus, qa):
-    for split, rows in qa.items():
+def test_qa_rows_are_well_formed(world):
+    corpus = world["corpus"]
+    for split, rows in world["qa"].items():
         assert rows
         assert len({r["id"] for r in rows}) == len(rows)
         for r in rows:
@@ -55,19 +66,25 @@ def test_qa_rows_are_well_formed(corpus, qa):
             answers = r["golden_answers"]
             assert isinstance(answers, list) and answers
             assert all(isinstance(a, str) and a.strip() for a in answers)
-            assert r["metadata"]["type"] in KINDS
-            sup = r["metadata"]["supporting_ids"]
+            meta = r["metadata"]
+            assert meta["type"] in KINDS
+            assert list(meta) == ["type", "supporting_ids", "chain"] + (["compare"] if meta["type"] == "comparison" else [])
+            sup = meta["supporting_ids"]
             assert sup and all(isinstance(s, str) and s.isdigit() and int(s) < len(corpus) for s in sup)
+            for hop in meta["chain"]:
+                assert list(hop) == ["search", "fact", "note", "passage_id", "answer"]
+                assert all(isinstance(v, str) and v.strip() for v in hop.values())
 
 
-def test_all_question_types_present(qa):
-    for rows in qa.values():
+def test_all_question_types_present(world):
+    for rows in world["qa"].values():
         counts = {k: sum(r["metadata"]["type"] == k for r in rows) for k in KINDS}
         assert counts["single"] > counts["bridge"] > counts["comparison"] > 0, counts
 
 
-def test_answers_are_stated_in_supporting_passages(corpus, qa):
-    for rows in qa.values():
+def test_answers_are_stated_in_supporting_passages(world):
+    corpus = world["corpus"]
+    for rows in world["qa"].values():
         for r in rows:
             passages = [corpus[int(s)]["contents"].lower() for s in r["metadata"]["supporting_ids"]]
             answers = [a.lower() for a in r["golden_answers"]]
@@ -79,15 +96,190 @@ def test_answers_are_stated_in_supporting_passages(corpus, qa):
                 assert any(a in p for a in answers for p in passages), r
 
 
-def test_train_and_test_questions_are_disjoint(qa):
-    train = {r["question"] for r in qa["train"]}
-    test = {r["question"] for r in qa["test"]}
-    assert len(train) == len(qa["train"]) and len(test) == len(qa["test"])
+def test_train_and_test_questions_are_disjoint(world):
+    train = {r["question"] for r in world["qa"]["train"]}
+    test = {r["question"] for r in world["qa"]["test"]}
+    assert len(train) == len(world["qa"]["train"]) and len(test) == len(world["qa"]["test"])
     assert not train & test
 
 
-def test_script_reproduces_committed_files(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "data" / "make_toy.py"), "--out", str(tmp_path)],
+@pytest.mark.parametrize("folder", list(WORLDS))
+def test_script_reproduces_committed_files(tmp_path, folder):
+    subprocess.run([sys.executable, str(DATA / "make_toy.py"), "--seed", str(WORLDS[folder]), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=300)
     for name in FILES:
-        assert (tmp_path / name).read_bytes() == (TOY / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (DATA / folder / name).read_bytes(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasoning chains
+# ---------------------------------------------------------------------------------------------
+def number(text):
+    return int(text.split()[0].replace(",", ""))
+
+
+def test_chain_facts_occur_in_named_passages(world):
+    corpus = world["corpus"]
+    for rows in world["qa"].values():
+        for r in rows:
+            chain = r["metadata"]["chain"]
+            assert [h["passage_id"] for h in chain] == r["metadata"]["supporting_ids"]
+            for h in chain:
+                passage = corpus[int(h["passage_id"])]
+                assert title(passage) == h["search"], (r, h)  # searching the entity names its passage
+                assert h["fact"] in passage["contents"].split("\n")[1], (r, h)  # the sentence, verbatim
+                assert h["answer"] in h["fact"] and h["answer"] in h["note"], (r, h)
+                assert h["search"] in h["note"], (r, h)  # the note names its subject
+
+
+def test_chain_ends_at_the_gold_answer(world):
+    for rows in world["qa"].values():
+        for r in rows:
+            meta, gold = r["metadata"], r["golden_answers"]
+            chain = meta["chain"]
+            if meta["type"] == "single":
+                assert len(chain) == 1 and chain[0]["answer"] == gold[0], r
+            elif meta["type"] == "bridge":
+                assert len(chain) == 2 and chain[-1]["answer"] == gold[0], r
+                assert chain[1]["search"] == chain[0]["answer"], r  # the first hop names the second's entity
+            else:
+                a, b = chain
+                assert len(chain) == 2 and a["search"] != b["search"], r
+                if meta["compare"] == "same":
+                    assert gold == ["yes" if a["answer"] == b["answer"] else "no"], r
+                else:
+                    best = (max if meta["compare"] == "larger" else min)(chain, key=lambda h: number(h["answer"]))
+                    assert number(a["answer"]) != number(b["answer"]) and gold[0] == best["search"], r
+
+
+def test_second_world_shares_no_entity_names_with_the_first():
+    titles = {name: {title(row) for row in read_jsonl(DATA / name / "corpus.jsonl")} for name in WORLDS}
+    assert not titles["toy"] & titles["toy_seed1"]
+    for r in read_jsonl(DATA / "toy_seed1" / "test.jsonl"):
+        assert not {h["search"] for h in r["metadata"]["chain"]} & titles["toy"]
+        assert not set(r["golden_answers"]) & titles["toy"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle: demonstrations through agent.rollout, with a search tool that needs no encoder
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def toy():
+    return {"corpus": read_jsonl(DATA / "toy" / "corpus.jsonl"), "train": read_jsonl(DATA / "toy" / "train.jsonl")}
+
+
+def fake_search(corpus, withhold=()):
+    """A search tool that ranks the passages titled exactly as the query first (minus `withhold`),
+    then fills up with unrelated passages; rendered as the real retriever renders them."""
+    import retriever
+
+    by_title = {}
+    for row in corpus:
+        by_title.setdefault(title(row), []).append(row)
+    others = [row for row in corpus[:20] if row["id"] not in withhold]
+
+    def search(queries, topk):
+        hits = [[row for row in by_title.get(q, []) if row["id"] not in withhold] + others for q in queries]
+        return [retriever.format_docs(h[:k]) for h, k in zip(hits, topk)]
+    return search
+
+
+def some_rows(train, per_type=6):
+    return [r for kind in KINDS for r in [r for r in train if r["metadata"]["type"] == kind][:per_type]]
+
+
+@pytest.fixture(scope="module")
+def demos(toy, tokenizer):
+    from data import oracle
+
+    rows = some_rows(toy["train"])
+    trajectories, stats = oracle.make_demonstrations(rows, fake_search(toy["corpus"]), tokenizer, seed=0)
+    return rows, trajectories, stats
+
+
+def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
+    import agent
+
+    rows, trajectories, stats = demos
+    assert stats["offered"] == stats["kept"] == len(rows) == len(trajectories) and not stats["dropped"]
+    assert stats["by_type"] == {k: {"offered": 6, "kept": 6} for k in KINDS}
+    for r, t in zip(rows, trajectories):
+        chain = r["metadata"]["chain"]
+        assert t.reward == 1.0 and t.end_reason == "answer" and t.prediction == r["golden_answers"][0]
+        assert 1 <= t.num_searches == len(chain) and len(t.conversations) <= len(chain) + 1
+        assert all(h["note"] in t.memory for h in chain)  # the memory kept every hop's fact
+        for c in t.conversations:
+            text = tokenizer.decode(c.prompt_ids + c.response_ids, skip_special_tokens=False)
+            assert all(m.count("<think>") == m.count("</think>") for m in agent.assistant_messages(text))
+    first_thoughts = {t.turns[0]["generation"].split(" ")[1] for t in trajectories}
+    assert len(first_thoughts) > 2  # the wording varies
+
+
+def sampled_spans(conversation):
+    """The conversation's sampled generations: its runs of trained tokens, in order."""
+    spans, start = [], None
+    for i, m in enumerate(conversation.loss_mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(conversation.response_ids[start:i])
+            start = None
+    return spans
+
+
+def test_oracle_loss_masks_match_a_replayed_rollout(demos, toy, tokenizer):
+    """Replaying the demonstration's sampled tokens through agent.rollout gives the same prompts,
+    responses and loss masks: the oracle's samples are exactly what RL would record."""
+    import agent
+
+    rows, trajectories, _ = demos
+    end = tokenizer.convert_tokens_to_ids(agent.END_OF_TURN)
+    for r, demo in zip(rows, trajectories):
+        queue = [span for c in demo.conversations for span in sampled_spans(c)]
+        assert all(span[-1] == end for span in queue)
+
+        def replay(model, tok, prompts, **sampling):
+            outs = [queue.pop(0) for _ in prompts]
+            return [agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True) for ids in outs]
+
+        (t,) = agent.rollout(None, tokenizer, [r], fake_search(toy["corpus"]), generate_fn=replay)
+        assert not queue and t.reward == demo.reward == 1.0
+        assert len(t.conversations) == len(demo.conversations)
+        for c, d in zip(t.conversations, demo.conversations):
+            assert (c.prompt_ids, c.response_ids, c.loss_mask) == (d.prompt_ids, d.response_ids, d.loss_mask)
+            # untrained: the prompt, then exactly the tool-response turn with the next assistant header
+            for k in range(1, len(d.loss_mask)):
+                if d.loss_mask[k] == 0 and d.loss_mask[k - 1] == 1:
+                    stop = d.loss_mask.index(1, k)
+                    turn = tokenizer.decode(d.response_ids[k:stop], skip_special_tokens=False)
+                    assert turn.startswith("\n<|im_start|>user\n<tool_response>"), turn
+                    assert turn.endswith("<|im_start|>assistant\n"), turn
+
+
+def test_oracle_drops_a_trajectory_whose_support_was_not_retrieved(toy, tokenizer):
+    from data import oracle
+
+    row = next(r for r in toy["train"] if r["metadata"]["type"] == "bridge")
+    hidden = row["metadata"]["chain"][1]["passage_id"]
+    kept, stats = oracle.make_demonstrations([row], fake_search(toy["corpus"], withhold={hidden}), tokenizer)
+    assert kept == [] and stats["kept"] == 0
+    assert stats["dropped"] == {"support not retrieved": 1}
+    assert stats["by_type"] == {"bridge": {"offered": 1, "kept": 0}}
+
+
+def test_oracle_reads_hop_from_memory_and_tolerates_both_prompt_endings(toy):
+    """Stateless: the next hop follows from the memory in the prompt; "<think>" and "<think>\\n" both work."""
+    import agent
+    from data import oracle
+
+    row = next(r for r in toy["train"] if r["metadata"]["type"] == "bridge")
+    first, second = row["metadata"]["chain"]
+    policy = oracle.Oracle([row], seed=0)
+    prompt = agent.memsearcher_prompt(row["question"], first["note"])
+    for text in (prompt, prompt + "\n"):
+        out = policy.respond(text)
+        assert (out.startswith(" ") == (text == prompt)) and "</think>" in out and "<think>" not in out
+        call = json.loads(re.search(r"<tool_call>(.*?)</tool_call>", out, re.S).group(1))
+        assert call["name"] == "wikipedia_search" and call["arguments"]["query"] == second["search"]
+    done = policy.respond(agent.memsearcher_prompt(row["question"], first["note"] + " " + second["note"]))
+    assert done.rstrip().endswith("\\boxed{%s}" % row["golden_answers"][0]) and "<tool_call>" not in done

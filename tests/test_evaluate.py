@@ -20,7 +20,7 @@ RECORD_FIELDS = {"dataset", "id", "index", "question", "golden_answers", "predic
                  "peak_memory_bytes", "run"}
 METRIC_FIELDS = {"n", "em", "f1", "acc", "turns", "searches", "context_tokens_mean", "context_tokens_max",
                  "context_tokens_per_turn", "peak_context_tokens", "total_context_tokens", "seconds_per_question",
-                 "peak_memory_gb", "end_reasons"}
+                 "peak_memory_gb", "end_reasons", "format_valid", "interval"}
 TIMING = {"seconds", "peak_memory_bytes", "seconds_per_question", "peak_memory_gb"}
 
 # Two small datasets; per question: (searches before answering, the boxed answer)
@@ -69,7 +69,7 @@ def scripted(seen=None):
                 out = CALL % question
             else:
                 out = "</think>\n\\boxed{%s}" % answer
-            if seen is not None and done == 0 and text.endswith("<think>\n"):
+            if seen is not None and done == 0 and text.endswith("<think>"):
                 seen.append(question)
             ids = agent.encode(tokenizer, out) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
             outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
@@ -127,12 +127,17 @@ def test_parquet_rows_split_by_data_source(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pyarrow", types.SimpleNamespace(parquet=parquet))
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", parquet)
     (tmp_path / "test.parquet").write_bytes(b"")
-    with pytest.raises(SystemExit, match="dataset nq: duplicate id 'test_0'"):
-        evaluate.load_datasets([str(tmp_path / "test.parquet")])
+    data = evaluate.load_datasets([str(tmp_path / "test.parquet")])  # a repeated id is made unique per row
+    assert {n: [(q["id"], q["golden_answers"]) for q in qs] for n, qs in data.items()} == {
+        "nq": [("nq/test_0/row1", ["a"]), ("nq/test_0/row3", ["c"])], "triviaqa": [("triviaqa/row2", ["b"])]}
     rows[2]["id"] = "test_2"
     data = evaluate.load_datasets([str(tmp_path)])
     assert {n: [(q["id"], q["golden_answers"]) for q in qs] for n, qs in data.items()} == {
-        "nq": [("test_0", ["a"]), ("test_2", ["c"])], "triviaqa": [("triviaqa_2", ["b"])]}
+        "nq": [("test_0", ["a"]), ("test_2", ["c"])], "triviaqa": [("triviaqa/row2", ["b"])]}
+    (tmp_path / "more").mkdir()  # the same dataset in two files: an id in both is an error
+    (tmp_path / "more" / "nq.jsonl").write_text(json.dumps({"id": "test_0", "question": "Q?", "golden_answers": ["a"]}) + "\n")
+    with pytest.raises(SystemExit, match="dataset nq: duplicate id 'test_0'"):
+        evaluate.load_datasets([str(tmp_path / "test.parquet"), str(tmp_path / "more" / "nq.jsonl")])
 
 
 def test_search_r1_parquet_file(tmp_path):
@@ -208,7 +213,8 @@ def test_scripted_metrics_by_hand_and_compare(tiny_lm_dir, small_corpus, tiny_en
     assert avg["context_tokens_per_turn"]["mean"][1] == pytest.approx(sum(second) / 3)
     assert avg["context_tokens_per_turn"]["max"][1] == max(second)
     assert records[1]["turns"][0]["queries"] == [ALPHA[1][0]] and records[1]["turns"][0]["memory"] == "searched 1"
-    assert "Doc 1(Title:" in records[1]["turns"][0]["documents"][0]
+    documents = records[1]["turns"][0]["documents"][0]  # the release's form by default: raw contents, literal "\\n\\n"
+    assert documents.startswith('"') and documents.endswith("\\n\\n") and "Doc 1(Title:" not in documents
     mem, react = (runs[n]["average"]["context_tokens_per_turn"]["mean"] for n in ("memsearcher", "react"))
     assert react[2] > react[1] > react[0] and mem[2] < react[2]  # ReAct's context grows, MemSearcher's does not
     assert without_timing(runs["react"]["datasets"])["alpha"]["em"] == 0.5
@@ -216,8 +222,9 @@ def test_scripted_metrics_by_hand_and_compare(tiny_lm_dir, small_corpus, tiny_en
     evaluate.main(["--compare", str(tmp_path / "memsearcher" / "results.json"), str(tmp_path / "react" / "results.json"),
                    "--output_dir", str(tmp_path)])
     printed = capsys.readouterr().out
-    assert "| MemSearcher (tiny-llama) [memsearcher] | EM | 0.500 | 0.000 | 0.250 |" in printed
-    assert "| ReAct (tiny-llama) [react] | EM | 0.500 | 0.000 | 0.250 |" in printed and "turn 3" in printed
+    alpha = "0.500 [{:.3f}, {:.3f}]".format(*evaluate.bootstrap_interval([1.0, 0.0]))  # with its 95% interval
+    assert f"| MemSearcher (tiny-llama) [memsearcher] | EM | {alpha} | 0.000 [0.000, 0.000] | 0.250 |" in printed
+    assert f"| ReAct (tiny-llama) [react] | EM | {alpha} | 0.000 [0.000, 0.000] | 0.250 |" in printed and "turn 3" in printed
 
 
 # --- resume ----------------------------------------------------------------------------------------
@@ -273,3 +280,12 @@ def test_two_processes_equal_one_and_resume_sharded(tiny_lm_dir, small_corpus, t
     assert [r.pop("marker", False) for r in cut] == [True, True, False, False, False]  # finished ones kept as they were
     assert [without_timing(r) for r in cut] == [without_timing(r) for r in one]
     assert not [p for p in os.listdir(tmp_path / "cut") if p.startswith("predictions.rank")]
+
+
+def test_bootstrap_interval_by_hand():
+    assert evaluate.bootstrap_interval([0.5] * 7) == [0.5, 0.5]  # no spread, no width
+    lo, hi = evaluate.bootstrap_interval([1.0] * 20 + [0.0] * 20)
+    assert lo < 0.5 < hi and 0.25 < hi - lo < 0.4  # ±1.96 * sqrt(.25 / 40) = ±0.155
+    lo4, hi4 = evaluate.bootstrap_interval([1.0] * 80 + [0.0] * 80)
+    assert hi4 - lo4 < 0.6 * (hi - lo)  # 4x the questions: about half the width
+    assert evaluate.bootstrap_interval([1.0, 0.0, 1.0]) == evaluate.bootstrap_interval([1.0, 0.0, 1.0])  # seeded

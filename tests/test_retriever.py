@@ -1,8 +1,10 @@
-"""retriever.py: encoder, offset-table corpus, flat index, Search-R1 HTTP API."""
+"""retriever.py: encoder, offset-table corpus, flat index (plain and memory-mapped), document
+renderings, the /retrieve and /search HTTP APIs (server with batching, and client)."""
 import json
 import os
 import shutil
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import urllib.error
 import urllib.request
 
@@ -122,6 +124,21 @@ def test_bad_corpus_lines_name_file_and_line(tmp_path):
 def test_format_docs_search_r1_style():
     hits = [{"contents": '"Osk"\nOsk is a town.'}, {"contents": "no title here"}]
     assert R.format_docs(hits) == 'Doc 1(Title: "Osk") Osk is a town.\nDoc 2(Title: "") no title here'
+    assert R.render_docs(hits, "search-r1") == R.format_docs(hits)
+
+
+def test_format_docs_release_style_keeps_the_literal_backslash_n():
+    hits = [{"contents": '"Osk"\nOsk is a town.'}, {"contents": "no title here"}]
+    # raw contents, each followed by backslash, n, backslash, n (four characters), then .strip()
+    expected = '"Osk"\nOsk is a town.' + "\\" + "n" + "\\" + "n" + "no title here" + "\\" + "n" + "\\" + "n"
+    assert expected == r'"Osk"' + "\n" + r"Osk is a town.\n\nno title here\n\n"
+    assert R.format_docs_release(hits) == R.render_docs(hits, "release") == expected
+    # .strip() trims only the start here: the text always ends in the literal backslash-n
+    assert R.format_docs_release([{"contents": " \n padded \n"}]) == "padded \n" + r"\n\n"
+    assert R.format_docs_release([]) == ""
+    with pytest.raises(ValueError, match="doc_format must be one of search-r1, release"):
+        R.render_docs(hits, "markdown")
+    assert R.DOC_FORMATS == ("search-r1", "release")
 
 
 # --- index and search ----------------------------------------------------------------------------
@@ -140,10 +157,54 @@ def test_scores_in_range_and_sorted(local):
 
 
 def test_call_renders_per_query_topk(local):
+    assert local.doc_format == "search-r1"
     docs = local(["paper company", "glass"], topk=[1, 3])
     assert docs[0].count("\n") == 0 and docs[0].startswith("Doc 1(Title: ")
     assert docs[1].count("\n") == 2 and "Doc 3(Title: " in docs[1]
     assert local([]) == []
+
+
+def test_call_renders_in_the_release_format(local):
+    release = R.Retriever(local.corpus, local.index, local.encoder, doc_format="release")
+    hits = local.search(["glass"], 2)[0]
+    expected = hits[0].contents + r"\n\n" + hits[1].contents + r"\n\n"
+    assert release(["glass"], [2]) == [expected]
+    with pytest.raises(ValueError, match="doc_format"):
+        R.Retriever(local.corpus, local.index, local.encoder, doc_format="Release")
+
+
+def test_mmap_index_equals_plain_read(tmp_path, local):
+    path = str(tmp_path / "flat.index")
+    faiss.write_index(local.index, path)
+    queries = local.encoder.encode(["paper company", "river town", "glass novel"])
+    plain, mapped = R.read_index(path, mmap=False), R.read_index(path)
+    assert mapped.ntotal == plain.ntotal == len(PASSAGES)
+    for a, b in zip(plain.search(queries, 5), mapped.search(queries, 5)):
+        np.testing.assert_array_equal(a, b)
+    if os.path.isfile("/proc/self/maps") and hasattr(faiss, "IO_FLAG_MMAP_IFC"):
+        maps = open("/proc/self/maps").read()
+        assert path in maps  # the vectors really are mapped from the file, not copied
+    # through open_retriever: identical hits either way
+    m = R.open_retriever(corpus=local.corpus.path, index=path, encoder=local.encoder.name)
+    p = R.open_retriever(corpus=local.corpus.path, index=path, encoder=local.encoder.name, mmap=False)
+    qs = ["who founded a paper company", "mountain kingdom"]
+    assert [[(h.id, h.score) for h in row] for row in m.search(qs, 4)] == [[(h.id, h.score) for h in row] for row in p.search(qs, 4)]
+
+
+def test_search_command_prints_the_chosen_doc_format(tmp_path, tiny_encoder_dir, capsys):
+    path = write_corpus(tmp_path / "c.jsonl")
+    R.main(["search", "--corpus", path, "--encoder", tiny_encoder_dir, "--topk", "2", "--doc_format", "release", "glass"])
+    out = capsys.readouterr().out
+    assert out.startswith("query: glass\n") and out.count(r"\n\n") == 2  # two documents, each + backslash-n x2
+    R.main(["search", "--corpus", path, "--encoder", tiny_encoder_dir, "--topk", "2", "--doc_format", "search-r1", "glass"])
+    assert capsys.readouterr().out.count("(Title: ") == 2
+
+
+def test_read_index_falls_back_without_the_mmap_flag(tmp_path, local, monkeypatch):
+    path = str(tmp_path / "flat.index")
+    faiss.write_index(local.index, path)
+    monkeypatch.delattr(faiss, "IO_FLAG_MMAP_IFC", raising=False)
+    assert R.read_index(path).ntotal == len(PASSAGES)
 
 
 def test_corpus_index_mismatch_is_a_clear_error(tmp_path, local, encoder):
@@ -160,6 +221,8 @@ def test_corpus_index_mismatch_is_a_clear_error(tmp_path, local, encoder):
 def test_open_retriever_builds_caches_and_rebuilds_stale_index(tmp_path, tiny_encoder_dir):
     path = write_corpus(tmp_path / "c.jsonl")
     r1 = R.open_retriever(corpus=path, encoder=tiny_encoder_dir)
+    assert r1.doc_format == "search-r1"
+    assert R.open_retriever(corpus=path, encoder=tiny_encoder_dir, doc_format="release").doc_format == "release"
     index_path = R.default_index_path(path, tiny_encoder_dir)
     assert os.path.isfile(index_path) and r1.index.ntotal == len(PASSAGES)
     mtime = os.path.getmtime(index_path)
@@ -214,6 +277,7 @@ def test_server_round_trip_search_r1_format(server, local):
     (json.dumps({"queries": ["q"], "topk": 0}).encode(), "topk"),
     (json.dumps({"queries": ["q"], "topk": "3"}).encode(), "topk"),
     (json.dumps({"queries": ["q"], "return_scores": "yes"}).encode(), "return_scores"),
+    (json.dumps({"queries": ["lone \ud800 surrogate"]}).encode(), "queries"),  # the tokenizer would fail
 ])
 def test_bad_requests_get_400_and_server_keeps_serving(server, body, message):
     code, out = post(server, body)
@@ -223,17 +287,187 @@ def test_bad_requests_get_400_and_server_keeps_serving(server, body, message):
 
 
 def test_unknown_path_is_404(server):
-    code, out = post(server, b"{}", path="/search")
-    assert code == 404 and "retrieve" in out["error"]
+    code, out = post(server, b"{}", path="/query")
+    assert code == 404 and "/retrieve" in out["error"] and "/search" in out["error"]
 
 
-def test_remote_client_equals_local_index(server, local):
-    remote = R.RemoteRetriever(server)
+def test_server_release_search_api(server, local):
+    code, out = post(server, json.dumps({"query": "paper company", "top_n": 3}).encode(), path="/search")
+    hits = local.search(["paper company"], 3)[0]
+    assert code == 200 and isinstance(out, list)
+    assert [(d["id"], d["contents"]) for d in out] == [(h.id, h.contents) for h in hits]
+    np.testing.assert_allclose([d["score"] for d in out], [h.score for h in hits], atol=1e-6)
+    # extra keys of the tool call's arguments are ignored; the path may end in a slash
+    code, out = post(server, json.dumps({"query": "glass", "top_n": 1, "other": 1}).encode(), path="/search/")
+    assert code == 200 and len(out) == 1
+
+
+class SpyRetriever(R.Retriever):
+    """The local retriever, recording every search; a search containing "boom" fails."""
+
+    def __init__(self, local):
+        super().__init__(local.corpus, local.index, local.encoder)
+        self.calls = []
+
+    def search(self, queries, topk=5):
+        self.calls.append((list(queries), topk))
+        if "boom" in queries:
+            raise RuntimeError("boom")
+        return super().search(queries, topk)
+
+
+def serve(retriever, **kwargs):
+    srv = R.make_server(retriever, "127.0.0.1", 0, **kwargs)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def test_search_api_defaults_top_n_to_10(local):
+    spy = SpyRetriever(local)
+    srv, url = serve(spy, batch_window_ms=0)
+    try:
+        code, out = post(url, json.dumps({"query": "kingdom"}).encode(), path="/search")
+        assert code == 200 and spy.calls == [(["kingdom"], 10)] and len(out) == len(PASSAGES)  # 8 < 10
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("body,message", [
+    (b"not json", "not JSON"),
+    (b'["q"]', "JSON object"),
+    (b"{}", "query"),
+    (json.dumps({"query": ["a list"]}).encode(), "query"),
+    (json.dumps({"query": "lone \udc00"}).encode(), "query"),
+    (json.dumps({"query": "q", "top_n": 0}).encode(), "top_n"),
+    (json.dumps({"query": "q", "top_n": "5"}).encode(), "top_n"),
+    (json.dumps({"query": "q", "top_n": True}).encode(), "top_n"),
+])
+def test_bad_search_requests_get_400(server, body, message):
+    code, out = post(server, body, path="/search")
+    assert code == 400 and message in out["error"]
+
+
+GOOD_REQUESTS = [
+    ("/retrieve", {"queries": ["paper company", "glass"], "topk": 2, "return_scores": True}),
+    ("/retrieve", {"queries": ["river town"], "topk": 5}),
+    ("/search", {"query": "mountain kingdom", "top_n": 3}),
+    ("/search", {"query": "the poet Lise Amber"}),
+    ("/retrieve", {"queries": [], "topk": 1}),
+    ("/retrieve", {"queries": ["Vey lantern fair", "Ivo Sarn", "novel"], "topk": 1, "return_scores": True}),
+]
+BAD_REQUESTS = [
+    ("/retrieve", {"queries": ["q"], "topk": 0}),  # 400: never joins the batch
+    ("/search", {"query": "boom"}),  # valid, but its search fails (SpyRetriever): 500, alone
+]
+
+
+def comparable(path, out):
+    """An answer as (documents, scores) per query, whichever API it came from."""
+    rows = [out] if path == "/search" else out["result"]
+    rows = [[dict(d["document"], score=d["score"]) if "document" in d else d for d in row] for row in rows]
+    return [[(d["id"], d["contents"]) for d in row] for row in rows], [[d.get("score", 0.0) for d in row] for row in rows]
+
+
+@pytest.mark.parametrize("with_bad", [False, True])
+def test_concurrent_requests_are_batched_and_answer_as_alone(local, with_bad):
+    """8 client threads at once, both APIs: merged into fewer searches than requests; the good
+    answers are those of a server that searches each request alone; bad requests fail alone."""
+    extra = [("/search", {"query": "Osk", "top_n": 8}), ("/retrieve", {"queries": ["Tamberlay"], "topk": 4})]
+    requests = GOOD_REQUESTS + (BAD_REQUESTS if with_bad else extra)
+    spy = SpyRetriever(local)
+    batched, url = serve(spy, batch_window_ms=300)  # a wide window: every thread lands in it
+    alone, alone_url = serve(local, batch_window_ms=0)
+    try:
+        answers = [None] * len(requests)
+        barrier = threading.Barrier(len(requests))
+
+        def client(i):
+            barrier.wait()
+            answers[i] = post(url, json.dumps(requests[i][1]).encode(), path=requests[i][0])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        n_good = len(GOOD_REQUESTS) if with_bad else len(requests)
+        for (path, body), (code, out) in zip(requests[:n_good], answers):
+            code_alone, out_alone = post(alone_url, json.dumps(body).encode(), path=path)
+            assert code == code_alone == 200
+            (docs, scores), (docs_alone, scores_alone) = comparable(path, out), comparable(path, out_alone)
+            assert docs == docs_alone
+            for row, row_alone in zip(scores, scores_alone):
+                np.testing.assert_allclose(row, row_alone, atol=1e-5)
+        searched = [c for c in spy.calls if len(c[0]) > 1]
+        assert searched and max(len(c[0]) for c in searched) > 3, "the requests were not merged"
+        if with_bad:
+            assert answers[-2][0] == 400 and "topk" in answers[-2][1]["error"]
+            assert answers[-1][0] == 500 and "boom" in answers[-1][1]["error"]
+        else:
+            assert len(spy.calls) < len(requests)
+    finally:
+        for srv in (batched, alone):
+            srv.shutdown()
+            srv.server_close()
+
+
+@pytest.mark.parametrize("api,path", [(None, ""), (None, "/retrieve"), ("retrieve", ""),
+                                      (None, "/search"), ("search", ""), ("search", "/search/")])
+def test_remote_client_equals_local_index(server, local, api, path):
+    remote = R.RemoteRetriever(server + path, api=api)
+    assert remote.api == (api or path.strip("/") or "retrieve") and remote.url.endswith("/" + remote.api)
     queries = ["paper company founder", "glass novel", "mountain kingdom capital"]
     for r, l in zip(remote.search(queries, 4), local.search(queries, 4)):
         assert [h.id for h in r] == [h.id for h in l] and [h.contents for h in r] == [h.contents for h in l]
         np.testing.assert_allclose([h.score for h in r], [h.score for h in l], atol=1e-6)
     assert remote(queries, 2) == local(queries, 2)
+    release = R.RemoteRetriever(server + path, api=api, doc_format="release")
+    assert release(queries, [1, 3, 2]) == R.Retriever(local.corpus, local.index, local.encoder, "release")(queries, [1, 3, 2])
+
+
+def test_endpoint_from_url_and_api():
+    assert R.endpoint("http://h:8000", None) == ("http://h:8000/retrieve", "retrieve")  # today's behaviour
+    assert R.endpoint("http://h:8000/", "search") == ("http://h:8000/search", "search")
+    assert R.endpoint("http://h:8000/search/", None) == ("http://h:8000/search", "search")
+    assert R.endpoint("http://h:8000/retrieve", "retrieve") == ("http://h:8000/retrieve", "retrieve")
+    with pytest.raises(ValueError, match="contradicts"):
+        R.endpoint("http://h:8000/search", "retrieve")
+    with pytest.raises(ValueError, match="api must be one of retrieve, search"):
+        R.endpoint("http://h:8000", "SEARCH")
+    assert R.open_retriever(url="http://h:8000/search", doc_format="release").doc_format == "release"
+
+
+def test_remote_client_speaks_the_release_api():
+    """Against a stand-in for the release's server: one {"query", "top_n"} body a query, a list of
+    documents with only `contents` back."""
+    bodies = []
+
+    class Release(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append((self.path, body))
+            data = json.dumps([{"contents": f'"{body["query"]}"\ntext {k}'} for k in range(body["top_n"])]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Release)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        remote = R.RemoteRetriever(f"http://127.0.0.1:{srv.server_address[1]}/search", doc_format="release")
+        assert remote(["a", "b"], [2, 1]) == ['"a"\ntext 0' + r"\n\n" + '"a"\ntext 1' + r"\n\n", '"b"\ntext 0' + r"\n\n"]
+        assert sorted(bodies, key=lambda b: b[1]["query"]) == [("/search", {"query": "a", "top_n": 2}),
+                                                               ("/search", {"query": "b", "top_n": 2})]
+        hit = remote.search(["c"], 1)[0][0]
+        assert (hit.id, hit.contents, hit.score) == ("", '"c"\ntext 0', 0.0)
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_remote_client_unreachable_is_clear():

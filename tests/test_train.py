@@ -16,7 +16,7 @@ import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
            "context_tokens_mean", "context_tokens_max", "trained_tokens", "loss", "kl", "clip_frac", "entropy",
-           "grad_norm", "lr", "seconds_rollout", "seconds_reference", "seconds_update", "peak_memory_gb"}
+           "grad_norm", "updates", "lr", "seconds_rollout", "seconds_reference", "seconds_update", "peak_memory_gb"}
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +30,26 @@ def yes_questions(tmp_path_factory):
 def base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **extra):
     args = dict(model=tiny_lm_dir, corpus=small_corpus, encoder=tiny_encoder_dir, output_dir=str(out), preset="toy",
                 batch_size=2, group_size=2, mini_batch_size=1, micro_batch_size=2, max_new_tokens=12, max_turns=2,
-                lr=1e-3, save_every=1)
+                lr=1e-3, save_every=1, warm_start_steps=0, old_logprobs="recompute")
     args.update(extra)
     argv = []
     for k, v in args.items():
         argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
     return argv
+
+
+@pytest.fixture(scope="module")
+def demo_world(tmp_path_factory):
+    """12 toy train questions with reasoning chains (8 to train on, 4 held out), and a corpus of
+    their supporting passages plus 40 others; the embedded MiniLM finds each hop's entity by name."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "train.jsonl"))][:12]
+    corpus = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "corpus.jsonl"))]
+    needed = {h["passage_id"] for r in rows for h in r["metadata"]["chain"]}
+    passages = [p for p in corpus if p["id"] in needed] + [p for p in corpus[:60] if p["id"] not in needed][:40]
+    folder = tmp_path_factory.mktemp("world")
+    for name, items in (("train.jsonl", rows[:8]), ("heldout.jsonl", rows[8:]), ("corpus.jsonl", passages)):
+        (folder / name).write_text("".join(json.dumps(x) + "\n" for x in items))
+    return folder
 
 
 def state(path):
@@ -62,6 +76,31 @@ def test_presets_and_overrides():
     assert (paper.kl_coef, paper.entropy_coef, paper.clip_eps, paper.clip_ratio_c, paper.top_k) == (0.001, 0.001, 0.2, 3.0, 10000)
     assert train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct", "--lr", "3e-6"]).lr == 3e-6
     assert paper.train_data == toy.train_data  # no paper default for data: the toy file unless given
+    assert (toy.default_top_n, paper.default_top_n, paper.doc_format) == (5, 10, "release")  # the release's server: 10
+
+
+def test_a_checkpoint_keeps_its_preset_and_errors_name_the_preset(tmp_path):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 4, "args": {"preset": "toy"}}))
+    args = train.parse_args(["--model", str(tmp_path), "--batch_size", "2"])
+    assert (args.preset, args.batch_size, args.mini_batch_size, args.lr) == ("toy", 2, 4, 1e-5)
+    with pytest.raises(SystemExit, match=r"--batch_size 2 \(flag\) must be a multiple of --mini_batch_size 4 \(toy preset\)"):
+        train.check_config(args, world_size=1)
+    paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct", "--batch_size", "8"])
+    with pytest.raises(SystemExit, match=r"--mini_batch_size 128 \(paper preset\)"):
+        train.check_config(paper, world_size=1)
+
+
+def test_updates_per_step_count_conversations(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path, monkeypatch):
+    """Every trajectory here searches twice, then answers: 3 conversations each, 2 questions x G 2 x 3
+    = 12 a step; --mini_batch_size 1 x G 2 = 2 conversations an update -> ceil(12 / 2) = 6 updates."""
+    import scripted_policy
+    monkeypatch.setattr(scripted_policy, "RANK", 1)  # rank 1's policy searches twice before answering
+    steps = []
+    monkeypatch.setattr(train.torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1))
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, train_data=yes_questions,
+                         max_turns=3), generate_fn=scripted_policy.scripted_generate)
+    (row,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert row["conversations_per_trajectory"] == 3 and row["updates"] == len(steps) == math.ceil(2 * 2 * 3 / 2)
 
 
 def test_one_step_changes_parameters_writes_metrics_and_checkpoint(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path):
@@ -248,3 +287,76 @@ def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_pa
     run_two_processes(two_process_args(tmp_path, resume=True), TEST_FSDP_VERSION="2")
     a, b = state(out / "checkpoint-2"), state(tmp_path / "checkpoint-2")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- the warm start on oracle demonstrations (DESIGN §9) -----------------------------------------
+def warm_args(tiny_lm_dir, world, out, **extra):
+    """The tiny model on the demo world with the embedded encoder: warm start only, unless told."""
+    args = dict(corpus=world / "corpus.jsonl", encoder="default", train_data=world / "train.jsonl", max_steps=0,
+                warm_start_steps=24, warm_start_batch=4, warm_start_lr=1e-2, warm_start_questions=8)
+    args.update(extra)
+    return base_args(tiny_lm_dir, None, None, out, **args)
+
+
+def demonstration_fit(model, conversations, pad_id):
+    """(token-mean NLL, top-1 accuracy) over the loss masks, teacher-forced: what the warm start
+    minimises, and how often the model's greedy next token is the demonstrated one."""
+    ids, attn, _, f = train.pad_batch(conversations, pad_id, "cpu", ("loss_mask",))
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    target, mask = ids[:, 1:], f["loss_mask"][:, 1:]
+    nll = -torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
+    hits = (logits.argmax(-1) == target).float()
+    return float((nll * mask).sum() / mask.sum()), float((hits * mask).sum() / mask.sum())
+
+
+def test_warm_start_lowers_heldout_nll_and_teaches_the_format(tiny_lm_dir, tokenizer, demo_world, tmp_path):
+    import retriever
+    from data import oracle
+
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["phase"] for r in rows] == ["warm_start"] * 24 and [r["step"] for r in rows] == list(range(1, 25))
+    assert sum(r["loss"] for r in rows[-4:]) < 0.5 * sum(r["loss"] for r in rows[:4])
+    assert not any(p.startswith("checkpoint-") for p in os.listdir(tmp_path))  # --max_steps 0: warm start only
+    warm = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start").eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval()
+    search = retriever.open_retriever(str(demo_world / "corpus.jsonl"), doc_format="release")
+    heldout, stats = oracle.make_demonstrations(oracle.load_rows(demo_world / "heldout.jsonl"), search, tokenizer, max_turns=3)
+    assert stats["kept"] == 4  # questions never trained on
+    conversations = [c for t in heldout for c in t.conversations]
+    (nll_before, acc_before), (nll_after, acc_after) = (demonstration_fit(m, conversations, tokenizer.pad_token_id)
+                                                        for m in (base, warm))
+    assert nll_after < 0.8 * nll_before
+    assert acc_before < 0.01 and acc_after > 0.3  # the demonstrated format, token by token, on unseen questions
+
+
+def test_resume_after_warm_start_continues_exactly(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
+    """A straight run (warm start, then 1 GRPO step) equals a warm-start-only run resumed for the
+    GRPO step; the resumed run does not warm-start again, and its KL reference is the warm start."""
+    common = dict(warm_start_steps=3, kl_coef=0.01, old_logprobs="recorded", batch_size=2, group_size=2, max_turns=2)
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "straight", max_steps=1, **common))
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", max_steps=0, **common))
+    references = []  # with recorded old log-probs, response_logprobs runs for the KL reference only
+    original = train.response_logprobs
+    monkeypatch.setattr(train, "response_logprobs", lambda model, *a: references.append(
+        {k: v.clone() for k, v in model.state_dict().items()}) or original(model, *a))
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", max_steps=1, resume=True, **common))
+    a, b = state(tmp_path / "straight" / "checkpoint-1"), state(tmp_path / "resumed" / "checkpoint-1")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    warm = state(tmp_path / "resumed" / "warm_start")
+    assert len(references) == 1 and all(torch.equal(references[0][k], warm[k]) for k in warm)
+    phases = [json.loads(line)["phase"] for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert phases == ["warm_start"] * 3 + ["grpo"]
+
+
+def test_warm_start_on_two_processes_equals_one(tiny_lm_dir, demo_world, tmp_path):
+    """Two ranks split each step's demonstrations unequally in tokens; the pooled token-mean gives
+    the same update as one process, and both ranks stay identical."""
+    common = dict(warm_start_steps=2, warm_start_lr=1e-3)
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "one", **common))
+    r0, r1 = run_two_processes(warm_args(tiny_lm_dir, demo_world, tmp_path / "two", **common))
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    one = state(tmp_path / "one" / "warm_start")
+    for k in one:
+        torch.testing.assert_close(r0["params"][k], one[k], rtol=1e-4, atol=1e-6)

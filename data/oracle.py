@@ -1,0 +1,265 @@
+"""Oracle demonstrations for the embedded default's warm start (DESIGN §9).
+
+The toy world records each question's reasoning chain (data/make_toy.py: per hop, the entity to
+search, the fact sentence and its passage, the hop's answer). The oracle is a scripted policy that
+acts that chain out through `agent.rollout` itself, with the real search tool: each turn it reads
+the question and the memory from the prompt, searches the next hop's entity, writes the hop's fact
+into the memory (keeping every earlier fact), and answers in \\boxed{} once the memory holds the
+whole chain. Its demonstrations are therefore `agent.Conversation`s with exactly the prompts,
+tool-response turns and loss masks that RL trains on.
+
+A demonstration is kept only if it earns reward 1.0 and every hop's supporting passage was among
+the documents the search tool actually returned in that trajectory (so no memory states a fact the
+agent never saw).
+
+    import agent, retriever
+    from data import oracle
+    rows = oracle.load_rows("data/toy/train.jsonl")
+    trajectories, stats = oracle.make_demonstrations(rows[:300], retriever.open_retriever(), tokenizer)
+
+    python data/oracle.py --n 300            # measure: how many demonstrations survive, and how fast
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import agent  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# 1. Wording: a few templates per move, so the model learns the format rather than one sentence
+# ---------------------------------------------------------------------------------------------
+FIRST_SEARCH = [
+    "The memory is empty, so I need to search. I will look up {search}.",
+    "I do not know anything about {search} yet. Let me search for it.",
+    "To answer this I first need information about {search}.",
+    "My memory holds nothing yet. I should search for {search}.",
+    "I need to find out about {search} first.",
+]
+NEXT_SEARCH = [
+    "The memory says: {last} Next I need to look up {search}.",
+    "From the memory: {last} I still need information about {search}.",
+    "The memory is not enough to answer yet. Now I will search for {search}.",
+    "I already know: {last} The next step is to search for {search}.",
+]
+BOTH_SEARCH = [
+    "I need facts about both {a} and {b}. I will search for each of them.",
+    "To compare them I must look up {a} and {b}.",
+]
+ANSWER = [
+    "The memory says: {notes} So the answer is {answer}.",
+    "According to the memory: {notes} The answer is {answer}.",
+    "From the memory: {notes} Therefore the answer is {answer}.",
+]
+COMPARE = [
+    "The memory says: {notes} Comparing the two: {reason}, so the answer is {answer}.",
+    "From the memory: {notes} {Reason}, so the answer is {answer}.",
+]
+REASON = {  # how two hop answers decide a comparison (metadata "compare")
+    "larger": "{win} is more than {other}",
+    "smaller": "{win} is earlier than {other}",
+    "yes": "both are {win}",
+    "no": "{win} and {other} differ",
+}
+MEMORY_THOUGHT = [  # an optional, balanced <think> before the memory
+    "",
+    "<think> The passage on {search} says: {fact} </think>\n",
+    "<think> Found it: {note} </think>\n",
+]
+MEMORY_LAYOUT = [  # the memory text, from the list of facts kept so far
+    lambda notes: " ".join(notes),
+    lambda notes: "\n".join("- " + n for n in notes),
+    lambda notes: "Known facts: " + " ".join(notes),
+    lambda notes: " ".join(f"({k}) {n}" for k, n in enumerate(notes, 1)),
+]
+
+
+def norm(text: str) -> str:
+    """Whitespace-collapsed text, so decoding quirks do not matter when comparing."""
+    return " ".join(text.split())
+
+
+def load_rows(path: str) -> list[dict]:
+    """The question rows of a toy jsonl file as written (id, question, golden_answers, metadata):
+    they can go to `agent.rollout` directly, and carry the chains the oracle needs."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The oracle: a stateless `generate_fn` that reads (question, memory) from each prompt
+# ---------------------------------------------------------------------------------------------
+def compare_reason(row: dict) -> str:
+    """Why a comparison's answer follows from its two hops, e.g. "1,151 is more than 381"."""
+    (a, b), answer = row["metadata"]["chain"], row["golden_answers"][0]
+    op = row["metadata"].get("compare", "same")
+    if op == "same":
+        return REASON[answer].format(win=a["answer"], other=b["answer"])
+    win, other = (b, a) if norm(b["search"]) == norm(answer) else (a, b)
+    return REASON[op].format(win=win["answer"], other=other["answer"])
+
+
+class Oracle:
+    """`agent.rollout`'s `generate_fn` for questions whose rows carry a reasoning chain.
+
+    Which hop comes next is read from the prompt (how many of the chain's facts the memory holds),
+    so one oracle serves any number of trajectories in any order. Only the wording is random.
+    """
+
+    def __init__(self, rows: list[dict], seed: int = 0, top_n_rate: float = 0.3, together_rate: float = 0.3):
+        self.rows = {norm(r["question"]): r for r in rows}
+        self.rng = random.Random(seed)
+        self.top_n_rate = top_n_rate  # how often a call spells out "top_n": 5
+        self.together_rate = together_rate  # how often a comparison searches both entities in one turn
+
+    def __call__(self, model, tokenizer, prompts: list[list[int]], **sampling) -> list[agent.Generation]:
+        end = tokenizer.convert_tokens_to_ids(agent.END_OF_TURN)
+        outs = []
+        for prompt in prompts:
+            ids = agent.encode(tokenizer, self.respond(tokenizer.decode(prompt, skip_special_tokens=False))) + [end]
+            outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
+        return outs
+
+    def respond(self, text: str) -> str:
+        """The oracle's output for one decoded prompt: a first generation or a memory update."""
+        user = text.split(agent.START_OF_TURN + "user\n", 1)[1]
+        question = re.search(r"<question>(.*?)</question>", user, re.S).group(1)
+        memory = re.search(r"<memory>(.*?)</memory>", user, re.S).group(1)
+        row = self.rows.get(norm(question))
+        if row is None:
+            raise KeyError(f"the oracle has no chain for question {question.strip()!r}")
+        chain = row["metadata"]["chain"]
+        held = [h for h in chain if norm(h["note"]) in norm(memory)]
+        if text.rstrip().endswith(agent.THINK):  # first generation: reason, then search or answer
+            lead = " " if text.endswith(agent.THINK) else ""  # "<think>" as released; tolerate "<think>\n"
+            return lead + self.act(row, held)
+        generation = text.split(agent.ASSISTANT_HEADER)[1].split(agent.END_OF_TURN)[0]  # this turn's calls
+        queries = [json.loads(body)["arguments"]["query"]
+                   for body in re.findall(r"<tool_call>(.*?)</tool_call>", generation, re.S)]
+        return self.update_memory(chain, held, queries)
+
+    def act(self, row: dict, held: list[dict]) -> str:
+        """Generation 1: search the next hop's entity, or answer once the memory holds every hop."""
+        chain, pick = row["metadata"]["chain"], self.rng.choice
+        missing = [h for h in chain if h not in held]
+        if not missing:
+            answer = row["golden_answers"][0]
+            notes = " ".join(h["note"] for h in chain)
+            if row["metadata"]["type"] == "comparison":
+                reason = compare_reason(row)
+                thought = pick(COMPARE).format(notes=notes, answer=answer, reason=reason, Reason=reason[:1].upper() + reason[1:])
+            else:
+                thought = pick(ANSWER).format(notes=notes, answer=answer)
+            return thought + " </think>\n" + pick(["\n", ""]) + f"\\boxed{{{answer}}}"
+        if len(missing) > 1 and row["metadata"]["type"] == "comparison" and self.rng.random() < self.together_rate:
+            thought = pick(BOTH_SEARCH).format(a=missing[0]["search"], b=missing[1]["search"])
+            searches = [h["search"] for h in missing[:2]]
+        elif held:
+            thought = pick(NEXT_SEARCH).format(last=held[-1]["note"], search=missing[0]["search"])
+            searches = [missing[0]["search"]]
+        else:
+            thought = pick(FIRST_SEARCH).format(search=missing[0]["search"])
+            searches = [missing[0]["search"]]
+        return thought + " </think>\n" + "\n".join(self.call(q) for q in searches)
+
+    def call(self, query: str) -> str:
+        arguments = {"query": query}
+        if self.rng.random() < self.top_n_rate:
+            arguments["top_n"] = agent.DEFAULT_TOP_N
+        return "<tool_call>\n" + json.dumps({"name": agent.TOOL_NAME, "arguments": arguments}) + "\n</tool_call>"
+
+    def update_memory(self, chain: list[dict], held: list[dict], queries: list[str]) -> str:
+        """Generation 2: the memory with every fact it held, plus the facts of the hops just searched."""
+        found = [h for h in chain if h not in held and h["search"] in queries]
+        notes = [h["note"] for h in chain if h in held or h in found]
+        thought = self.rng.choice(MEMORY_THOUGHT).format(**found[-1]) if found else ""
+        return thought + "<memory> " + self.rng.choice(MEMORY_LAYOUT)(notes) + " </memory>"
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Demonstrations: roll out with the oracle, keep only the ones that are right for the right reason
+# ---------------------------------------------------------------------------------------------
+def retrieved(hop: dict, documents: list[str]) -> bool:
+    """Whether the search results show the hop's passage: one passage titled "<entity>" holding the
+    hop's fact sentence (titles are unique names, and a fact sits in one passage). Passages are
+    split in either rendering: `Doc k(Title: ...)` lines, or the release's raw contents each
+    followed by a literal backslash-n pair."""
+    title = f'"{hop["search"]}"'
+    passages = (p for doc in documents for p in re.split(r"\\n\\n|\n(?=Doc \d+\(Title: )", doc))
+    return any(title in p and hop["fact"] in p for p in passages)
+
+
+def drop_reason(trajectory: agent.Trajectory, chain: list[dict]) -> str | None:
+    """Why a demonstration is not kept, or None to keep it."""
+    if trajectory.reward != 1.0:
+        return f"reward<1 ({trajectory.end_reason})"
+    documents = [d for turn in trajectory.turns for d in turn.get("documents", [])]
+    if not all(retrieved(h, documents) for h in chain):
+        return "support not retrieved"
+    return None
+
+
+def make_demonstrations(questions: list[dict], search, tokenizer, *, max_turns: int = 5, seed: int = 0,
+                        batch_size: int = 64, model=None, **rollout_kwargs) -> tuple[list[agent.Trajectory], dict]:
+    """Oracle trajectories for `questions` (toy rows with `metadata.chain`, e.g. from `load_rows`),
+    rolled out by `agent.rollout` with the given search tool; extra keyword arguments go to rollout
+    (e.g. `system_prompt`). Returns (kept trajectories, stats): offered, kept, dropped by reason,
+    offered/kept by question type, conversations and tokens of the kept ones, seconds."""
+    start = time.time()
+    oracle = Oracle(questions, seed=seed)
+    kept, dropped, by_type = [], Counter(), {}
+    for s in range(0, len(questions), batch_size):
+        batch = questions[s:s + batch_size]
+        trajectories = agent.rollout(model, tokenizer, batch, search, max_turns=max_turns, generate_fn=oracle,
+                                     **rollout_kwargs)
+        for q, t in zip(batch, trajectories):
+            counts = by_type.setdefault(q["metadata"]["type"], {"offered": 0, "kept": 0})
+            counts["offered"] += 1
+            reason = drop_reason(t, q["metadata"]["chain"])
+            if reason:
+                dropped[reason] += 1
+            else:
+                counts["kept"] += 1
+                kept.append(t)
+    conversations = [c for t in kept for c in t.conversations]
+    stats = {"offered": len(questions), "kept": len(kept), "dropped": dict(dropped), "by_type": by_type,
+             "conversations": len(conversations), "tokens": sum(len(c) for c in conversations),
+             "trained_tokens": sum(sum(c.loss_mask) for c in conversations),
+             "seconds": round(time.time() - start, 1)}
+    return kept, stats
+
+
+def main(argv=None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Make oracle demonstrations and report how many survive.")
+    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy", "train.jsonl"))
+    ap.add_argument("--corpus", default=None, help="default: the corpus.jsonl beside --data")
+    ap.add_argument("--n", type=int, default=300, help="the first n questions")
+    ap.add_argument("--max_turns", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--show", type=int, default=1, help="print this many kept trajectories")
+    args = ap.parse_args(argv)
+    import retriever
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(agent.default_model_file())
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    search = retriever.open_retriever(corpus=args.corpus or os.path.join(os.path.dirname(args.data), "corpus.jsonl"))
+    rows = load_rows(args.data)[:args.n]
+    trajectories, stats = make_demonstrations(rows, search, tokenizer, max_turns=args.max_turns, seed=args.seed)
+    for t in trajectories[:args.show]:
+        for k, c in enumerate(t.conversations, 1):
+            print(f"===== conversation {k} (⟦⟧ = not trained) =====")
+            print(agent.render_conversation(c, tokenizer, color=False))
+    print(json.dumps(stats, indent=1))
+
+
+if __name__ == "__main__":
+    main()
