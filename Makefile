@@ -32,9 +32,10 @@ $(STAMP): requirements.txt Makefile $(filter .venv/bin/python,$(PYTHON))
 install: $(STAMP)  ## torch first (keeps an existing CUDA build; else the pinned CPU build), then the rest
 
 RUN ?= runs/memsearcher
+EVAL_LIMIT ?= 50  # a seeded sample of the 200 toy test questions (all of them: EVAL_LIMIT=200)
 run: install  ## the main job: warm start + multi-context GRPO on the embedded default, then its evaluation
 	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume
-	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval
+	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval --limit $(EVAL_LIMIT)
 	$(PYTHON) bench/plot_curve.py $(RUN)/metrics.jsonl
 
 test: install
