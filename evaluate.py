@@ -296,18 +296,18 @@ def label(results: dict) -> str:
 def report(runs: list[tuple[str, dict]]) -> str:
     """Markdown: rows (metric, method), datasets as columns, Avg last; then context tokens per turn."""
     names = paper_order(dict.fromkeys(n for _, res in runs for n in res["datasets"]))
-    def cell(fmt, summary, m):  # the value, with its 95% bootstrap interval where there is one
+    def cell(fmt, summary, m, interval=True):  # the value, with its 95% bootstrap interval where there is one
         if summary is None or summary.get(m) is None:
             return "–"
-        lo_hi = summary.get("interval", {}).get(m) if summary is not res["average"] else None
+        lo_hi = summary.get("interval", {}).get(m) if interval else None
         return fmt.format(summary[m]) + (f" [{fmt.format(lo_hi[0])}, {fmt.format(lo_hi[1])}]" if lo_hi else "")
 
     lines = ["| Method | Metric | " + " | ".join(PAPER_DATASETS.get(n.lower(), n) for n in names) + " | Avg |",
              "| --- " * (len(names) + 3) + "|"]
     for title, m, fmt in ROWS:
         for name, res in runs:
-            summaries = [res["datasets"].get(n) for n in names] + [res["average"]]
-            lines.append(f"| {name} | {title} | " + " | ".join(cell(fmt, s, m) for s in summaries) + " |")
+            cells = [cell(fmt, res["datasets"].get(n), m) for n in names] + [cell(fmt, res["average"], m, interval=False)]
+            lines.append(f"| {name} | {title} | " + " | ".join(cells) + " |")
     turns = max(len(res["average"]["context_tokens_per_turn"]["mean"]) for _, res in runs)
     lines += ["", "Context tokens per turn, all questions (mean / max; questions still running at that turn):", "",
               "| Method | " + " | ".join(f"turn {k}" for k in range(1, turns + 1)) + " |", "| --- " * (turns + 1) + "|"]
