@@ -33,9 +33,12 @@ install: $(STAMP)  ## torch first (keeps an existing CUDA build; else the pinned
 
 RUN ?= runs/memsearcher
 EVAL_LIMIT ?= 50  # a seeded sample of the 200 toy test questions (all of them: EVAL_LIMIT=200)
+# Greedy, as released, but CPU-sized: the release's 20 turns x 512 tokens lets a looping 135M model
+# spend an hour on a few questions; 5 turns (the paper's training limit) x 128 tokens (the toy's).
+EVAL_ARGS ?= --max_turns 5 --max_new_tokens 128
 run: install  ## the main job: warm start + multi-context GRPO on the embedded default, then its evaluation
 	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume
-	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval --limit $(EVAL_LIMIT)
+	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval --limit $(EVAL_LIMIT) $(EVAL_ARGS)
 	$(PYTHON) bench/plot_curve.py $(RUN)/metrics.jsonl
 
 test: install

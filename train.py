@@ -44,7 +44,7 @@ HYPERPARAMETERS = [
     ("mini_batch_size", 4, 128, "optimizer updates see mini_batch_size x G conversations each, in rollout order; paper: 128 (x 5 = 640)"),
     ("micro_batch_size", 4, 4, "conversations per forward/backward (memory knob, not math)"),
     ("ppo_epochs", 1, 1, "passes over a step's conversations; paper: 1"),
-    ("warm_start_steps", 12, 0, "supervised steps on oracle demonstrations before GRPO (DESIGN §9; toy only); paper: 0"),
+    ("warm_start_steps", 30, 0, "supervised steps on oracle demonstrations before GRPO (DESIGN §9; toy: ~1 epoch); paper: 0"),
     ("warm_start_questions", 48, 0, "train questions the oracle acts out for the warm start"),
     ("warm_start_batch", 4, 4, "demonstration conversations per warm-start step, over all ranks"),
     ("warm_start_lr", 1e-4, 1e-5, "AdamW learning rate of the warm start, constant"),

@@ -14,8 +14,9 @@ Prints, from one run:
    memory-mapped (`retriever.read_index`): open time, peak RSS and the shared/private split of
    each process's memory from /proc/<pid>/smaps_rollup, as ratios; then open + first search of
    one process on a cold page cache (the file evicted), plain vs memory-mapped;
-4. server: queries/s of `retriever.make_server` on the embedded encoder and the toy corpus, with 8
-   concurrent clients each sending 8 queries per request, request batching on vs off.
+4. server: queries/s of `retriever.make_server` on the embedded encoder, with 8 concurrent clients
+   each sending 8 queries per request, request batching on vs off; over the toy corpus alone (the
+   encoder dominates) and over a flat index padded to --server_rows (the scan dominates, as at scale).
 """
 import argparse
 import json
@@ -237,15 +238,46 @@ def bench_mmap(n, dim):
                   f"together {r['open_s'] + r['search_s']:.2f} s")
 
 
-def bench_server(clients=8, per_request=8, rounds=4, repeats=3):
+class PaddedCorpus:
+    """The toy corpus followed by filler rows, so the index can be node-sized (see bench_server)."""
+
+    def __init__(self, corpus, rows):
+        self.corpus, self.rows, self.path = corpus, rows, f"{corpus.path} + filler"
+
+    def __len__(self):
+        return self.rows
+
+    def __getitem__(self, i):
+        return self.corpus[i] if i < len(self.corpus) else {"id": str(i), "contents": "filler"}
+
+
+def padded_retriever(local, rows, seed=0):
+    """`local`'s passages plus random unit vectors up to `rows` in one flat index: every search scans
+    rows x dim floats, as a wiki-18 index makes it do, so FAISS rather than the encoder dominates."""
+    import faiss
+    import retriever
+    index = faiss.IndexFlatIP(local.index.d)
+    index.add(local.index.reconstruct_n(0, local.index.ntotal))
+    rng = np.random.default_rng(seed)
+    for start in range(local.index.ntotal, rows, 100_000):
+        x = rng.standard_normal((min(100_000, rows - start), local.index.d), dtype=np.float32)
+        index.add(x / np.linalg.norm(x, axis=1, keepdims=True))
+    return retriever.Retriever(PaddedCorpus(local.corpus, rows), index, local.encoder, doc_format=local.doc_format)
+
+
+def bench_server(rows=0, clients=8, per_request=8, rounds=4, repeats=3):
     sys.path.insert(0, ROOT)
     import retriever
 
     local = retriever.open_retriever()  # the embedded default: MiniLM and the toy corpus
+    what_index = f"the toy corpus ({len(local.corpus):,} passages)"
+    if rows > len(local.corpus):
+        local = padded_retriever(local, rows)
+        what_index = f"the toy corpus padded with random unit vectors to a {rows:,}-row flat index"
     with open(os.path.join(os.path.dirname(retriever.DEFAULT_CORPUS), "test.jsonl")) as f:
         questions = [json.loads(line)["question"] for line in f]
     print(f"\n== Server throughput: {clients} concurrent clients x {rounds} requests x {per_request} queries, "
-          f"top-5, MiniLM on the toy corpus ({len(local.corpus):,} passages); best of {repeats}; "
+          f"top-5, MiniLM on {what_index}; best of {repeats}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs before")
     print(f"{'API':>36} | {'batching off q/s':>16} | {'on (5 ms) q/s':>13} | {'on / off':>8}")
     for api, what in (("retrieve", "/retrieve, 8 queries a request"), ("search", "/search, 1 query a request (x8)")):
@@ -291,6 +323,9 @@ def main():
     ap.add_argument("--dim", type=int, default=384, help="vector dimension (MiniLM: 384; e5-base: 768)")
     ap.add_argument("--topk", type=int, default=10)
     ap.add_argument("--lines", type=int, default=1_000_000, help="corpus lines for the RSS benchmark")
+    ap.add_argument("--server_rows", nargs="+", type=int, default=[0, 1_000_000],
+                    help="index rows for the server part: 0 = the toy corpus alone (the encoder dominates); "
+                         "1000000 = padded to a node-sized flat index (search dominates, as with wiki-18)")
     ap.add_argument("--parts", nargs="+", choices=["search", "corpus", "mmap", "server"],
                     default=["search", "corpus", "mmap", "server"])
     args = ap.parse_args()
@@ -303,7 +338,8 @@ def main():
     if "mmap" in args.parts:
         bench_mmap(args.n, args.dim)
     if "server" in args.parts:
-        bench_server()
+        for rows in args.server_rows:
+            bench_server(rows)
 
 
 if __name__ == "__main__":

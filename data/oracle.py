@@ -35,31 +35,34 @@ import agent  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # 1. Wording: a few templates per move, so the model learns the format rather than one sentence
 # ---------------------------------------------------------------------------------------------
+# Every thought opens by reading the memory ("The memory is empty." / "The memory says: ..."), so the
+# choice between searching and answering sits on one token right after a fixed cue, conditioned on
+# the memory, in every demonstration; the wording varies after it. (With varied openings a 135M
+# model learned the openings' overall mix, the same whatever the memory held, and greedy decoding
+# then always searched or always answered; README, "Learning on the embedded default".)
 FIRST_SEARCH = [
     "The memory is empty, so I need to search. I will look up {search}.",
-    "I do not know anything about {search} yet. Let me search for it.",
-    "To answer this I first need information about {search}.",
-    "My memory holds nothing yet. I should search for {search}.",
-    "I need to find out about {search} first.",
+    "The memory is empty. I do not know anything about {search} yet, so let me search for it.",
+    "The memory is empty. To answer this I first need information about {search}.",
+    "The memory is empty. I should search for {search} first.",
 ]
 NEXT_SEARCH = [
-    "The memory says: {last} Next I need to look up {search}.",
-    "From the memory: {last} I still need information about {search}.",
-    "The memory is not enough to answer yet. Now I will search for {search}.",
-    "I already know: {last} The next step is to search for {search}.",
+    "The memory says: {notes} Next I need to look up {search}.",
+    "The memory says: {notes} I still need information about {search}.",
+    "The memory says: {notes} That is not enough to answer yet, so I will search for {search}.",
 ]
 BOTH_SEARCH = [
-    "I need facts about both {a} and {b}. I will search for each of them.",
-    "To compare them I must look up {a} and {b}.",
+    "The memory is empty. I need facts about both {a} and {b}, so I will search for each of them.",
+    "The memory is empty. To compare them I must look up {a} and {b}.",
 ]
 ANSWER = [
     "The memory says: {notes} So the answer is {answer}.",
-    "According to the memory: {notes} The answer is {answer}.",
-    "From the memory: {notes} Therefore the answer is {answer}.",
+    "The memory says: {notes} That answers the question: {answer}.",
+    "The memory says: {notes} Therefore the answer is {answer}.",
 ]
 COMPARE = [
     "The memory says: {notes} Comparing the two: {reason}, so the answer is {answer}.",
-    "From the memory: {notes} {Reason}, so the answer is {answer}.",
+    "The memory says: {notes} {Reason}, so the answer is {answer}.",
 ]
 REASON = {  # how two hop answers decide a comparison (metadata "compare")
     "larger": "{win} is more than {other}",
@@ -161,7 +164,7 @@ class Oracle:
             thought = pick(BOTH_SEARCH).format(a=missing[0]["search"], b=missing[1]["search"])
             searches = [h["search"] for h in missing[:2]]
         elif held:
-            thought = pick(NEXT_SEARCH).format(last=held[-1]["note"], search=missing[0]["search"])
+            thought = pick(NEXT_SEARCH).format(notes=" ".join(h["note"] for h in held), search=missing[0]["search"])
             searches = [missing[0]["search"]]
         else:
             thought = pick(FIRST_SEARCH).format(search=missing[0]["search"])

@@ -211,8 +211,11 @@ def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
         for c in t.conversations:
             text = tokenizer.decode(c.prompt_ids + c.response_ids, skip_special_tokens=False)
             assert all(m.count("<think>") == m.count("</think>") for m in agent.assistant_messages(text))
-    first_thoughts = {t.turns[0]["generation"].split(" ")[1] for t in trajectories}
-    assert len(first_thoughts) > 2  # the wording varies
+    first = [t.turns[0]["generation"].split() for t in trajectories]
+    assert all(words[:4] == ["The", "memory", "is", "empty,"] or words[:4] == ["The", "memory", "is", "empty."]
+               for words in first)  # every thought opens by reading the memory ...
+    assert len({tuple(words[4:6]) for words in first}) > 2  # ... and the wording varies after it
+    assert all(turn["generation"].split()[:3] == ["The", "memory", "says:"] for t in trajectories for turn in t.turns[1:])
 
 
 def sampled_spans(conversation):
