@@ -20,8 +20,9 @@ Each row's metadata records its reasoning chain (what data/oracle.py acts out):
           "fact": "She was born in 1911.",          # the sentence as it appears in the passage
           "note": "Velmora Quint was born in 1911.",  # the same fact with its subject named
           "passage_id": "1234",                     # the passage that states it
-          "answer": "1911"}, ...],                  # the hop's answer (a bridge's first hop: the
+          "answer": "1911",                         # the hop's answer (a bridge's first hop: the
                                                     #   entity the second hop looks up)
+          "relation": "birth_year"}, ...],          # which attribute the fact states (SPEC below)
      "compare": "smaller" | "larger" | "same"}      # comparisons only: the gold answer is the hop
                                                     #   entity with the smaller / larger number, or
                                                     #   yes/no for whether the two answers are equal
@@ -359,7 +360,7 @@ def chain_step(w, where, said, e, attr):
     say = next(spec[1] for spec in SPEC[e["type"]] if spec[0] == attr)
     value = answers(w, e, attr)[0]
     return {"search": e["name"], "fact": said[(e["i"], attr)], "note": say.format(S=subject(e, True), v=value, **f),
-            "passage_id": str(where[(e["i"], attr)]), "answer": value}
+            "passage_id": str(where[(e["i"], attr)]), "answer": value, "relation": attr}
 
 
 # ---------------------------------------------------------------------------------------------

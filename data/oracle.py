@@ -35,34 +35,47 @@ import agent  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # 1. Wording: a few templates per move, so the model learns the format rather than one sentence
 # ---------------------------------------------------------------------------------------------
-# Every thought opens by reading the memory ("The memory is empty." / "The memory says: ..."), so the
-# choice between searching and answering sits on one token right after a fixed cue, conditioned on
-# the memory, in every demonstration; the wording varies after it. (With varied openings a 135M
-# model learned the openings' overall mix, the same whatever the memory held, and greedy decoding
-# then always searched or always answered; README, "Learning on the embedded default".)
-FIRST_SEARCH = [
-    "The memory is empty, so I need to search. I will look up {search}.",
-    "The memory is empty. I do not know anything about {search} yet, so let me search for it.",
-    "The memory is empty. To answer this I first need information about {search}.",
-    "The memory is empty. I should search for {search} first.",
+# Every thought opens with a fixed skeleton that spells the choice out, then varies its wording.
+# It names what the question asks for (`The question asks for the year.`: the kind of the last hop's
+# relation, read off the question's first words), reads the memory, says what the memory's latest
+# fact gives, and then decides: `That gives the founder, so I must search.` / `That gives the year,
+# so I can answer.` A comparison needs one fact per entity and counts instead (`That is one of two,
+# so I must search.`). The choice is then a comparison of two words the model has just written,
+# which a 135M model learns from a few dozen demonstrations; judging implicitly whether a memory
+# answers a question, or how many hops a question needs, it did not (README, "Learning on the
+# embedded default", tries 3-5).
+KIND = {  # relation (data/make_toy.py SPEC) -> what its fact gives; person roles stay apart
+    "capital": "capital", "language": "language", "independence": "year", "country": "country",
+    "height": "height", "climber": "first climber", "climb_year": "year", "length": "length",
+    "source": "mountain", "river": "river", "population": "population", "founded": "year",
+    "birth_year": "year", "birthplace": "town", "occupation": "occupation", "employer": "company",
+    "spouse": "spouse", "notable_work": "work", "founder": "founder", "hq": "town", "industry": "industry",
+    "creator": "creator", "year": "year", "genre": "genre", "location": "town", "organizer": "organiser",
+}
+COUNT = {1: "one", 2: "two"}
+FIRST_SEARCH = [  # after "... The memory is empty, so I must search."
+    "I will look up {search}.",
+    "I do not know anything about {search} yet, so let me search for it.",
+    "First I need information about {search}.",
+    "I should search for {search} first.",
 ]
-NEXT_SEARCH = [
-    "The memory says: {notes} Next I need to look up {search}.",
-    "The memory says: {notes} I still need information about {search}.",
-    "The memory says: {notes} That is not enough to answer yet, so I will search for {search}.",
+NEXT_SEARCH = [  # after "... That gives the founder, so I must search."
+    "Next I need to look up {search}.",
+    "I still need information about {search}.",
+    "The missing fact is about {search}, so I will search for it.",
 ]
 BOTH_SEARCH = [
-    "The memory is empty. I need facts about both {a} and {b}, so I will search for each of them.",
-    "The memory is empty. To compare them I must look up {a} and {b}.",
+    "I need facts about both {a} and {b}, so I will search for each of them.",
+    "To compare them I must look up {a} and {b}.",
 ]
-ANSWER = [
-    "The memory says: {notes} So the answer is {answer}.",
-    "The memory says: {notes} That answers the question: {answer}.",
-    "The memory says: {notes} Therefore the answer is {answer}.",
+ANSWER = [  # after "... That gives the year, so I can answer."
+    "The answer is {answer}.",
+    "It answers the question: {answer}.",
+    "Therefore the answer is {answer}.",
 ]
 COMPARE = [
-    "The memory says: {notes} Comparing the two: {reason}, so the answer is {answer}.",
-    "The memory says: {notes} {Reason}, so the answer is {answer}.",
+    "Comparing the two: {reason}, so the answer is {answer}.",
+    "{Reason}, so the answer is {answer}.",
 ]
 REASON = {  # how two hop answers decide a comparison (metadata "compare")
     "larger": "{win} is more than {other}",
@@ -70,10 +83,10 @@ REASON = {  # how two hop answers decide a comparison (metadata "compare")
     "yes": "both are {win}",
     "no": "{win} and {other} differ",
 }
-MEMORY_THOUGHT = [  # an optional, balanced <think> before the memory
-    "",
-    "<think> The passage on {search} says: {fact} </think>\n",
-    "<think> Found it: {note} </think>\n",
+MEMORY_THOUGHT = [  # before the memory: quote the passage sentence that answers, then restate it
+    "The passage on {search} says: {fact}",
+    "The results for {search} say: {fact}",
+    "Found it in the passage on {search}: {fact}",
 ]
 MEMORY_LAYOUT = [  # the memory text, from the list of facts kept so far
     lambda notes: " ".join(notes),
@@ -151,25 +164,29 @@ class Oracle:
         """Generation 1: search the next hop's entity, or answer once the memory holds every hop."""
         chain, pick = row["metadata"]["chain"], self.rng.choice
         missing = [h for h in chain if h not in held]
+        comparison = row["metadata"]["type"] == "comparison"
+        thought = "The question compares two things. " if comparison else f"The question asks for the {KIND[chain[-1]['relation']]}. "
+        if not held:
+            thought += "The memory is empty, so "
+        else:
+            thought += f"The memory says: {' '.join(h['note'] for h in held)} "
+            gives = f"is {COUNT[len(held)]} of two" if comparison else f"gives the {KIND[held[-1]['relation']]}"
+            thought += f"That {gives}, so "
         if not missing:
             answer = row["golden_answers"][0]
-            notes = " ".join(h["note"] for h in chain)
             if row["metadata"]["type"] == "comparison":
                 reason = compare_reason(row)
-                thought = pick(COMPARE).format(notes=notes, answer=answer, reason=reason, Reason=reason[:1].upper() + reason[1:])
+                then = pick(COMPARE).format(answer=answer, reason=reason, Reason=reason[:1].upper() + reason[1:])
             else:
-                thought = pick(ANSWER).format(notes=notes, answer=answer)
-            return thought + " </think>\n" + pick(["\n", ""]) + f"\\boxed{{{answer}}}"
+                then = pick(ANSWER).format(answer=answer)
+            return thought + "I can answer. " + then + " </think>\n" + pick(["\n", ""]) + f"\\boxed{{{answer}}}"
         if len(missing) > 1 and row["metadata"]["type"] == "comparison" and self.rng.random() < self.together_rate:
-            thought = pick(BOTH_SEARCH).format(a=missing[0]["search"], b=missing[1]["search"])
+            then = pick(BOTH_SEARCH).format(a=missing[0]["search"], b=missing[1]["search"])
             searches = [h["search"] for h in missing[:2]]
-        elif held:
-            thought = pick(NEXT_SEARCH).format(notes=" ".join(h["note"] for h in held), search=missing[0]["search"])
-            searches = [missing[0]["search"]]
         else:
-            thought = pick(FIRST_SEARCH).format(search=missing[0]["search"])
+            then = pick(NEXT_SEARCH if held else FIRST_SEARCH).format(search=missing[0]["search"])
             searches = [missing[0]["search"]]
-        return thought + " </think>\n" + "\n".join(self.call(q) for q in searches)
+        return thought + "I must search. " + then + " </think>\n" + "\n".join(self.call(q) for q in searches)
 
     def call(self, query: str) -> str:
         arguments = {"query": query}
@@ -181,7 +198,8 @@ class Oracle:
         """Generation 2: the memory with every fact it held, plus the facts of the hops just searched."""
         found = [h for h in chain if h not in held and h["search"] in queries]
         notes = [h["note"] for h in chain if h in held or h in found]
-        thought = self.rng.choice(MEMORY_THOUGHT).format(**found[-1]) if found else ""
+        thought = " ".join(self.rng.choice(MEMORY_THOUGHT).format(**h) for h in found)
+        thought = f"<think> {thought} </think>\n" if found else ""
         return thought + "<memory> " + self.rng.choice(MEMORY_LAYOUT)(notes) + " </memory>"
 
 

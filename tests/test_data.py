@@ -72,7 +72,7 @@ def test_qa_rows_are_well_formed(world):
             sup = meta["supporting_ids"]
             assert sup and all(isinstance(s, str) and s.isdigit() and int(s) < len(corpus) for s in sup)
             for hop in meta["chain"]:
-                assert list(hop) == ["search", "fact", "note", "passage_id", "answer"]
+                assert list(hop) == ["search", "fact", "note", "passage_id", "answer", "relation"]
                 assert all(isinstance(v, str) and v.strip() for v in hop.values())
 
 
@@ -199,6 +199,7 @@ def demos(toy, tokenizer):
 
 def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
     import agent
+    from data import oracle
 
     rows, trajectories, stats = demos
     assert stats["offered"] == stats["kept"] == len(rows) == len(trajectories) and not stats["dropped"]
@@ -211,11 +212,46 @@ def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
         for c in t.conversations:
             text = tokenizer.decode(c.prompt_ids + c.response_ids, skip_special_tokens=False)
             assert all(m.count("<think>") == m.count("</think>") for m in agent.assistant_messages(text))
-    first = [t.turns[0]["generation"].split() for t in trajectories]
-    assert all(words[:4] == ["The", "memory", "is", "empty,"] or words[:4] == ["The", "memory", "is", "empty."]
-               for words in first)  # every thought opens by reading the memory ...
-    assert len({tuple(words[4:6]) for words in first}) > 2  # ... and the wording varies after it
-    assert all(turn["generation"].split()[:3] == ["The", "memory", "says:"] for t in trajectories for turn in t.turns[1:])
+    # every thought opens with the same skeleton: what the question asks for (a comparison: that it
+    # compares two things), the memory, what its latest fact gives, and the choice spelled out
+    # ("..., so I can answer." / "..., so I must search."); the wording varies after it
+    after = set()
+    for r, t in zip(rows, trajectories):
+        chain, comparison = r["metadata"]["chain"], r["metadata"]["type"] == "comparison"
+        asks = "The question compares two things." if comparison else f"The question asks for the {oracle.KIND[chain[-1]['relation']]}."
+        for k, turn in enumerate(t.turns):
+            thought = " ".join(turn["generation"].split("</think>")[0].split())
+            held = [h for h in chain if h["note"] in (t.turns[k - 1]["memory"] if k else "")]
+            if not held:
+                skeleton = asks + " The memory is empty, so I must search. "
+            else:
+                gives = ["one of two", "two of two"][len(held) - 1] if comparison else oracle.KIND[held[-1]["relation"]]
+                choice = "can answer" if len(held) == len(chain) else "must search"
+                skeleton = (f"{asks} The memory says: {' '.join(h['note'] for h in held)} "
+                            f"That {'is' if comparison else 'gives the'} {gives}, so I {choice}. ")
+            assert thought.startswith(skeleton), (thought, skeleton)
+            assert ("\\boxed{" in turn["generation"]) == (len(held) == len(chain))
+            after.add(tuple(thought[len(skeleton):].split()[:2]))
+    assert len(after) > 4  # the wording after the skeleton varies
+    memory_thoughts = [turn["memory_generation"] for t in trajectories for turn in t.turns if "memory_generation" in turn]
+    assert memory_thoughts and all(m.startswith("<think> ") and "</think>\n<memory> " in m for m in memory_thoughts)
+    for r, t in zip(rows, trajectories):  # the memory thought quotes the passage sentence of each hop it finds
+        quoted = " ".join(m["memory_generation"] for m in t.turns if "memory_generation" in m)
+        assert all(h["fact"] in quoted for h in r["metadata"]["chain"])
+
+
+def test_oracle_kinds_tell_every_hop_of_a_bridge_apart(toy):
+    """The oracle's choice "That gives the <kind>" = "asks for the <kind>" is right only if a bridge's
+    first hop never gives what its last hop gives: true of every relation pair the worlds use."""
+    from data import oracle
+
+    for world in WORLDS:
+        for r in read_jsonl(DATA / world / "train.jsonl") + read_jsonl(DATA / world / "test.jsonl"):
+            kinds = [oracle.KIND[h["relation"]] for h in r["metadata"]["chain"]]
+            if r["metadata"]["type"] == "bridge":
+                assert kinds[0] != kinds[1], r["question"]
+            if r["metadata"]["type"] == "comparison":
+                assert kinds[0] == kinds[1], r["question"]
 
 
 def sampled_spans(conversation):

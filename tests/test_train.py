@@ -358,5 +358,6 @@ def test_warm_start_on_two_processes_equals_one(tiny_lm_dir, demo_world, tmp_pat
     r0, r1 = run_two_processes(warm_args(tiny_lm_dir, demo_world, tmp_path / "two", **common))
     assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
     one = state(tmp_path / "one" / "warm_start")
-    for k in one:
-        torch.testing.assert_close(r0["params"][k], one[k], rtol=1e-4, atol=1e-6)
+    for k in one:  # AdamW divides each gradient by its own scale, so where a gradient is near zero the
+        # order of a float32 sum shows as up to ~0.1% of one 1e-3 step: allow 1% of a step
+        torch.testing.assert_close(r0["params"][k], one[k], rtol=1e-4, atol=1e-5)
