@@ -5,7 +5,7 @@
         [--retriever_url URL | --corpus C --index I --encoder E] [--output_dir DIR] [--limit N]
     accelerate launch evaluate.py ...                     # questions sharded across processes
     torchrun --nproc_per_node 2 evaluate.py ...           # two CPU processes (gloo)
-    python evaluate.py --compare A/results.json B/results.json   # runs side by side
+    python evaluate.py --compare A/results.json B/results.json   # side by side; two runs: B - A, paired
 
 As in the paper (DESIGN.md §2, §7): greedy, at most 20 turns, an invalid memory update resets the
 memory. Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq")
@@ -354,11 +354,33 @@ def read_json(path: str) -> dict:
         return json.load(f)
 
 
+def paired_difference(a: list[dict], b: list[dict]) -> dict:
+    """B - A over the questions both runs answered (matched by dataset and id): per score the mean
+    difference and its 95% bootstrap interval, resampling those questions. Both runs saw the same
+    questions, so this paired interval is the test of "B beats A", tighter than two runs' intervals."""
+    first = {(r["dataset"], r["id"]): r for r in a}
+    pairs = [(first[(r["dataset"], r["id"])], r) for r in b if (r["dataset"], r["id"]) in first]
+    out = {"n": len(pairs)}
+    for m in ("em", "f1", "acc"):
+        d = [y[m] - x[m] for x, y in pairs]
+        out[m] = (sum(d) / len(d) if d else float("nan"), bootstrap_interval(d))
+    return out
+
+
 def compare(paths: list[str], output_dir: str | None):
     runs = [(f"{label(res)} [{os.path.basename(os.path.dirname(os.path.abspath(path)))}]", res)
             for path, res in ((path, read_json(path)) for path in paths)]
     print(report(runs))
+    folders = [os.path.dirname(os.path.abspath(path)) for path in paths]
+    if len(paths) == 2 and all(prediction_files(f) for f in folders):  # the two runs' predictions, paired
+        a, b = ([r for path in prediction_files(f) for _, r in scan(path, warn=False)] for f in folders)
+        diff = paired_difference(a, b)
+        print(f"\nPaired difference, {runs[1][0]} minus {runs[0][0]}, over the {diff['n']} questions both answered "
+              "(95% bootstrap interval over those questions): "
+              + ", ".join(f"{name} {diff[m][0]:+.3f} [{diff[m][1][0]:+.3f}, {diff[m][1][1]:+.3f}]"
+                          for name, m in (("EM", "em"), ("F1", "f1"), ("acc", "acc"))))
     folder = output_dir or os.path.dirname(os.path.abspath(paths[0]))
+    os.makedirs(folder, exist_ok=True)
     plot_context_tokens(runs, os.path.join(folder, "context_tokens_compare.png"))
 
 

@@ -45,7 +45,8 @@ HYPERPARAMETERS = [
     ("micro_batch_size", 4, 4, "conversations per forward/backward (memory knob, not math)"),
     ("ppo_epochs", 1, 1, "passes over a step's conversations; paper: 1"),
     ("warm_start_steps", 30, 0, "supervised steps on oracle demonstrations before GRPO (DESIGN §9; toy: ~half an epoch, ~10 min); paper: 0"),
-    ("warm_start_questions", 100, 0, "train questions the oracle acts out for the warm start (toy: ~240 conversations, 30 steps see half)"),
+    ("warm_start_questions", 100, 0, "train questions the oracle acts out for the warm start (toy: ~250 conversations, 30 steps see half)"),
+    ("warm_start_mix", "1:1:1", "1:1:1", "shares of single-hop:bridge:comparison among those questions, first ones of each type in file order"),
     ("warm_start_batch", 4, 4, "demonstration conversations per warm-start step, over all ranks"),
     ("warm_start_lr", 1e-4, 1e-5, "AdamW learning rate of the warm start, constant"),
     ("lr", 1e-5, 1e-6, "AdamW learning rate, constant; paper: 1e-6"),
@@ -112,6 +113,17 @@ def checkpoint_preset(model):
     return json.load(open(path))["args"].get("preset") if os.path.isfile(path) else None
 
 
+def warm_start_mix(args):
+    """--warm_start_mix "1:1:1" -> {"single": 1.0, "bridge": 1.0, "comparison": 1.0}."""
+    try:
+        shares = [float(x) for x in args.warm_start_mix.split(":")]
+    except ValueError:
+        shares = []
+    if len(shares) != 3 or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError("give three shares >= 0, not all 0, as single:bridge:comparison (e.g. 1:1:1)")
+    return dict(zip(("single", "bridge", "comparison"), shares))
+
+
 def described(args, name):
     return f"--{name} {getattr(args, name)} ({args.source.get(name, 'flag')})"
 
@@ -132,6 +144,10 @@ def check_config(args, world_size, distributed_type=None):
         problems.append(f"--doc_format must be one of {', '.join(retriever.DOC_FORMATS)}, got {args.doc_format!r}")
     if not os.path.isfile(args.train_data):
         problems.append(f"--train_data not found: {args.train_data}")
+    try:
+        warm_start_mix(args)
+    except ValueError as e:
+        problems.append(f"{described(args, 'warm_start_mix')}: {e}")
     if problems:
         raise SystemExit("train.py: bad configuration:\n  " + "\n  ".join(problems))
 
@@ -213,10 +229,14 @@ def demonstrations(args, search, tokenizer, rollout_kwargs):
     acted out through agent.rollout, so prompts, tool turns and loss masks are exactly RL's."""
     from data import oracle  # the toy world's oracle: needs rows with reasoning chains
 
-    rows = oracle.load_rows(args.train_data)[:args.warm_start_questions]
+    rows = oracle.load_rows(args.train_data)
     if not all((r.get("metadata") or {}).get("chain") for r in rows):
         raise SystemExit(f"train.py: --warm_start_steps needs questions with reasoning chains (data/make_toy.py); "
                          f"{args.train_data} has none: use --warm_start_steps 0")
+    try:
+        rows = oracle.pick_questions(rows, args.warm_start_questions, warm_start_mix(args))
+    except ValueError as e:
+        raise SystemExit(f"train.py: --warm_start_mix {args.warm_start_mix}: {e}")
     trajectories, stats = oracle.make_demonstrations(rows, search, tokenizer, max_turns=args.max_turns, seed=args.seed,
                                                      **rollout_kwargs)
     return [c for t in trajectories for c in t.conversations], stats

@@ -4,7 +4,8 @@ On held-out train rows (default: rows 1900-1999 of data/toy/train.jsonl, never d
 each question and each number k of chain facts in the memory (0 .. all), the prompt holds exactly
 the oracle's memory and the generation is teacher-forced with the oracle's own thought up to
 "..., so I"; the probe reads whether " can" (answer) or " must" (search) is more likely, and
-whether it is the oracle's choice (answer only once the memory holds the whole chain). It also
+whether it is the oracle's choice (answer only once the memory holds the whole chain), and the
+mean probability of that choice between the two words (what sampling at temperature 1 would take). It also
 lets the model finish "The question asks for the" greedily and checks the kind it names.
 
     python bench/choice_probe.py runs/memsearcher/warm_start [--n 60]
@@ -34,12 +35,12 @@ def main():
     model, tokenizer = agent.load_model(args.model)
     can, must = (agent.encode(tokenizer, w)[0] for w in (" can", " must"))
     policy = oracle.Oracle(rows, seed=0)
-    right, seen, kind_right, kind_seen = Counter(), Counter(), Counter(), Counter()
+    right, seen, p_right, kind_right, kind_seen = Counter(), Counter(), Counter(), Counter(), Counter()
     for row in rows:
         chain, kind = row["metadata"]["chain"], row["metadata"]["type"]
         for k in range(len(chain) + 1):
             held = chain[:k]
-            prompt = agent.memsearcher_prompt(row["question"], " ".join(h["note"] for h in held)) + " "
+            prompt = agent.memsearcher_prompt(row["question"], " ".join(oracle.labelled(h) for h in held)) + " "
             thought = policy.act(row, held)
             thought = thought[:thought.index("so I ") + len("so I")]
             with torch.no_grad():
@@ -47,6 +48,7 @@ def main():
             wanted, other = (can, must) if k == len(chain) else (must, can)
             seen[kind, k] += 1
             right[kind, k] += int(logits[wanted] > logits[other])
+            p_right[kind, k] += float(torch.softmax(logits[[wanted, other]].float(), 0)[0])
             if k == 0 and kind != "comparison":
                 ids = agent.encode(tokenizer, prompt + "The question asks for the")
                 out = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)
@@ -55,7 +57,8 @@ def main():
                 kind_right[kind] += int(said == oracle.KIND[chain[-1]["relation"]])
     print("choice right (memory and thought as the oracle's), by question type and facts in memory:")
     for key in sorted(seen):
-        print(f"  {key[0]:<10} {key[1]} facts: {right[key]}/{seen[key]}  ({'answer' if key[1] == (1 if key[0] == 'single' else 2) else 'search'})")
+        want = "answer" if key[1] == (1 if key[0] == "single" else 2) else "search"
+        print(f"  {key[0]:<10} {key[1]} facts: {right[key]}/{seen[key]}  ({want}; mean P {p_right[key] / seen[key]:.2f})")
     print("names what the question asks for:", ", ".join(f"{t} {kind_right[t]}/{kind_seen[t]}" for t in sorted(kind_seen)))
 
 

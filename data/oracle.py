@@ -4,8 +4,8 @@ The toy world records each question's reasoning chain (data/make_toy.py: per hop
 search, the fact sentence and its passage, the hop's answer). The oracle is a scripted policy that
 acts that chain out through `agent.rollout` itself, with the real search tool: each turn it reads
 the question and the memory from the prompt, searches the next hop's entity, writes the hop's fact
-into the memory (keeping every earlier fact), and answers in \\boxed{} once the memory holds the
-whole chain. Its demonstrations are therefore `agent.Conversation`s with exactly the prompts,
+(labelled with its kind) into the memory, keeping every earlier fact, and answers in \\boxed{} once
+the memory holds the whole chain. Its demonstrations are therefore `agent.Conversation`s with exactly the prompts,
 tool-response turns and loss masks that RL trains on.
 
 A demonstration is kept only if it earns reward 1.0 and every hop's supporting passage was among
@@ -37,13 +37,13 @@ import agent  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # Every thought opens with a fixed skeleton that spells the choice out, then varies its wording.
 # It names what the question asks for (`The question asks for the year.`: the kind of the last hop's
-# relation, read off the question's first words), reads the memory, says what the memory's latest
-# fact gives, and then decides: `That gives the founder, so I must search.` / `That gives the year,
-# so I can answer.` A comparison needs one fact per entity and counts instead (`That is one of two,
-# so I must search.`). The choice is then a comparison of two words the model has just written,
-# which a 135M model learns from a few dozen demonstrations; judging implicitly whether a memory
-# answers a question, or how many hops a question needs, it did not (README, "Learning on the
-# embedded default", tries 3-5).
+# relation, read off the question's wording), reads the memory, says what the memory's latest fact
+# gives, and decides: `That gives the founder, so I must search.` / `That gives the year, so I can
+# answer.` A comparison counts instead (`That is one of two, so I must search.`). Each search names
+# the fact it seeks (`Next I need the year of Ada Mole.`), the memory update names it again as it
+# quotes the passage, and the memory keeps each fact under that name (`labelled`), so the kind in
+# `That gives the ...` is copied from the memory rather than inferred from a sentence. What a 135M
+# model did and did not learn from each earlier wording: README, "Learning on the embedded default".
 KIND = {  # relation (data/make_toy.py SPEC) -> what its fact gives; person roles stay apart
     "capital": "capital", "language": "language", "independence": "year", "country": "country",
     "height": "height", "climber": "first climber", "climb_year": "year", "length": "length",
@@ -53,20 +53,20 @@ KIND = {  # relation (data/make_toy.py SPEC) -> what its fact gives; person role
     "creator": "creator", "year": "year", "genre": "genre", "location": "town", "organizer": "organiser",
 }
 COUNT = {1: "one", 2: "two"}
-FIRST_SEARCH = [  # after "... The memory is empty, so I must search."
-    "I will look up {search}.",
-    "I do not know anything about {search} yet, so let me search for it.",
-    "First I need information about {search}.",
-    "I should search for {search} first.",
+FIRST_SEARCH = [  # after "... The memory is empty, so I must search."; every search names the fact it
+    "I will look up the {kind} of {search}.",  # seeks, and the memory update below names it again, so the
+    "First I need the {kind} of {search}.",  # update can pick that fact out of the passages
+    "I do not know the {kind} of {search} yet, so let me search for it.",
+    "I should search for the {kind} of {search} first.",
 ]
 NEXT_SEARCH = [  # after "... That gives the founder, so I must search."
-    "Next I need to look up {search}.",
-    "I still need information about {search}.",
-    "The missing fact is about {search}, so I will search for it.",
+    "Next I need the {kind} of {search}.",
+    "I still need the {kind} of {search}.",
+    "The missing fact is the {kind} of {search}, so I will search for it.",
 ]
 BOTH_SEARCH = [
-    "I need facts about both {a} and {b}, so I will search for each of them.",
-    "To compare them I must look up {a} and {b}.",
+    "I need the {kind} of both {a} and {b}, so I will search for each of them.",
+    "To compare them I must look up the {kind} of {a} and of {b}.",
 ]
 ANSWER = [  # after "... That gives the year, so I can answer."
     "The answer is {answer}.",
@@ -83,10 +83,10 @@ REASON = {  # how two hop answers decide a comparison (metadata "compare")
     "yes": "both are {win}",
     "no": "{win} and {other} differ",
 }
-MEMORY_THOUGHT = [  # before the memory: quote the passage sentence that answers, then restate it
-    "The passage on {search} says: {fact}",
-    "The results for {search} say: {fact}",
-    "Found it in the passage on {search}: {fact}",
+MEMORY_THOUGHT = [  # before the memory: name the fact sought, quote the passage sentence that gives it
+    "The passage on {search} gives the {kind}: {fact}",
+    "The results for {search} give the {kind}: {fact}",
+    "Found the {kind} in the passage on {search}: {fact}",
 ]
 MEMORY_LAYOUT = [  # the memory text, from the list of facts kept so far
     lambda notes: " ".join(notes),
@@ -99,6 +99,13 @@ MEMORY_LAYOUT = [  # the memory text, from the list of facts kept so far
 def norm(text: str) -> str:
     """Whitespace-collapsed text, so decoding quirks do not matter when comparing."""
     return " ".join(text.split())
+
+
+def labelled(hop: dict) -> str:
+    """A hop's fact as the memory keeps it, led by the kind of fact it is, e.g. "The capital of
+    Casrusavar: The capital of Casrusavar is Yorova." The next turn's "That gives the capital" then
+    copies the label of the memory's latest fact instead of inferring its kind from the sentence."""
+    return f"The {KIND[hop['relation']]} of {hop['search']}: {hop['note']}"
 
 
 def load_rows(path: str) -> list[dict]:
@@ -169,7 +176,7 @@ class Oracle:
         if not held:
             thought += "The memory is empty, so "
         else:
-            thought += f"The memory says: {' '.join(h['note'] for h in held)} "
+            thought += f"The memory says: {' '.join(labelled(h) for h in held)} "
             gives = f"is {COUNT[len(held)]} of two" if comparison else f"gives the {KIND[held[-1]['relation']]}"
             thought += f"That {gives}, so "
         if not missing:
@@ -181,10 +188,11 @@ class Oracle:
                 then = pick(ANSWER).format(answer=answer)
             return thought + "I can answer. " + then + " </think>\n" + pick(["\n", ""]) + f"\\boxed{{{answer}}}"
         if len(missing) > 1 and row["metadata"]["type"] == "comparison" and self.rng.random() < self.together_rate:
-            then = pick(BOTH_SEARCH).format(a=missing[0]["search"], b=missing[1]["search"])
+            then = pick(BOTH_SEARCH).format(a=missing[0]["search"], b=missing[1]["search"], kind=KIND[missing[0]["relation"]])
             searches = [h["search"] for h in missing[:2]]
         else:
-            then = pick(NEXT_SEARCH if held else FIRST_SEARCH).format(search=missing[0]["search"])
+            then = pick(NEXT_SEARCH if held else FIRST_SEARCH).format(search=missing[0]["search"],
+                                                                      kind=KIND[missing[0]["relation"]])
             searches = [missing[0]["search"]]
         return thought + "I must search. " + then + " </think>\n" + "\n".join(self.call(q) for q in searches)
 
@@ -197,8 +205,8 @@ class Oracle:
     def update_memory(self, chain: list[dict], held: list[dict], queries: list[str]) -> str:
         """Generation 2: the memory with every fact it held, plus the facts of the hops just searched."""
         found = [h for h in chain if h not in held and h["search"] in queries]
-        notes = [h["note"] for h in chain if h in held or h in found]
-        thought = " ".join(self.rng.choice(MEMORY_THOUGHT).format(**h) for h in found)
+        notes = [labelled(h) for h in chain if h in held or h in found]
+        thought = " ".join(self.rng.choice(MEMORY_THOUGHT).format(**h, kind=KIND[h["relation"]]) for h in found)
         thought = f"<think> {thought} </think>\n" if found else ""
         return thought + "<memory> " + self.rng.choice(MEMORY_LAYOUT)(notes) + " </memory>"
 
@@ -224,6 +232,29 @@ def drop_reason(trajectory: agent.Trajectory, chain: list[dict]) -> str | None:
     if not all(retrieved(h, documents) for h in chain):
         return "support not retrieved"
     return None
+
+
+def pick_questions(rows: list[dict], n: int, mix: dict[str, float]) -> list[dict]:
+    """The first rows of each question type, in file order, `n` in all in the shares `mix` gives,
+    e.g. {"single": 1, "bridge": 2, "comparison": 1}: 25 single-hop, 50 bridge and 25 comparison
+    questions of n = 100. A type left out of `mix` (or given 0) is not taken. Raises ValueError
+    when the rows hold too few questions of a type. The result keeps the rows' order."""
+    if any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"question-type shares must be >= 0 and not all 0, got {mix}")
+    total, quota, given = sum(mix.values()), {}, 0
+    for k, (kind, w) in enumerate(mix.items()):  # rounded shares; the last type takes what is left
+        quota[kind] = n - given if k == len(mix) - 1 else round(n * w / total)
+        given += quota[kind]
+    taken, picked = Counter(), []
+    for row in rows:
+        kind = row["metadata"]["type"]
+        if taken[kind] < quota.get(kind, 0):
+            taken[kind] += 1
+            picked.append(row)
+    short = {kind: f"{taken[kind]} of {q}" for kind, q in quota.items() if taken[kind] < q}
+    if short:
+        raise ValueError(f"too few questions of a type for the warm-start mix {mix}: {short}")
+    return picked
 
 
 def make_demonstrations(questions: list[dict], search, tokenizer, *, max_turns: int = 5, seed: int = 0,

@@ -227,17 +227,21 @@ def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
             else:
                 gives = ["one of two", "two of two"][len(held) - 1] if comparison else oracle.KIND[held[-1]["relation"]]
                 choice = "can answer" if len(held) == len(chain) else "must search"
-                skeleton = (f"{asks} The memory says: {' '.join(h['note'] for h in held)} "
+                notes = " ".join(f"The {oracle.KIND[h['relation']]} of {h['search']}: {h['note']}" for h in held)
+                skeleton = (f"{asks} The memory says: {notes} "
                             f"That {'is' if comparison else 'gives the'} {gives}, so I {choice}. ")
             assert thought.startswith(skeleton), (thought, skeleton)
             assert ("\\boxed{" in turn["generation"]) == (len(held) == len(chain))
+            if len(held) < len(chain):  # a search names the fact it seeks: the kind of the next hop
+                assert f"the {oracle.KIND[chain[len(held)]['relation']]} of " in thought[len(skeleton):]
             after.add(tuple(thought[len(skeleton):].split()[:2]))
     assert len(after) > 4  # the wording after the skeleton varies
     memory_thoughts = [turn["memory_generation"] for t in trajectories for turn in t.turns if "memory_generation" in turn]
     assert memory_thoughts and all(m.startswith("<think> ") and "</think>\n<memory> " in m for m in memory_thoughts)
-    for r, t in zip(rows, trajectories):  # the memory thought quotes the passage sentence of each hop it finds
+    for r, t in zip(rows, trajectories):  # the memory thought quotes the passage sentence of each hop it finds,
         quoted = " ".join(m["memory_generation"] for m in t.turns if "memory_generation" in m)
-        assert all(h["fact"] in quoted for h in r["metadata"]["chain"])
+        assert all(re.search(rf"the {oracle.KIND[h['relation']]}\b[^:]*: {re.escape(h['fact'])}", quoted)
+                   for h in r["metadata"]["chain"])  # ... naming the kind of fact it is
 
 
 def test_oracle_kinds_tell_every_hop_of_a_bridge_apart(toy):
@@ -322,3 +326,23 @@ def test_oracle_reads_hop_from_memory_and_tolerates_both_prompt_endings(toy):
         assert call["name"] == "wikipedia_search" and call["arguments"]["query"] == second["search"]
     done = policy.respond(agent.memsearcher_prompt(row["question"], first["note"] + " " + second["note"]))
     assert done.rstrip().endswith("\\boxed{%s}" % row["golden_answers"][0]) and "<tool_call>" not in done
+
+
+def test_pick_questions_takes_the_first_of_each_type_in_the_shares_given():
+    from data import oracle
+
+    rows = [{"id": str(k), "metadata": {"type": t}} for k, t in enumerate("sbsscsbccsbs")]
+    rows = [dict(r, metadata={"type": {"s": "single", "b": "bridge", "c": "comparison"}[r["metadata"]["type"]]})
+            for r in rows]
+    # 6 of 1:1:1 -> 2 single (ids 0, 2), 2 bridge (1, 6), 2 comparison (4, 7), in file order
+    assert [r["id"] for r in oracle.pick_questions(rows, 6, {"single": 1, "bridge": 1, "comparison": 1})] == \
+        ["0", "1", "2", "4", "6", "7"]
+    # 4 of 1:2:1 -> 1 single, 2 bridge, 1 comparison; a share of 0 takes none of that type
+    assert [r["id"] for r in oracle.pick_questions(rows, 4, {"single": 1, "bridge": 2, "comparison": 1})] == \
+        ["0", "1", "4", "6"]
+    assert [r["id"] for r in oracle.pick_questions(rows, 3, {"single": 0, "bridge": 1, "comparison": 0})] == \
+        ["1", "6", "10"]
+    with pytest.raises(ValueError, match=r"too few .*'bridge': '3 of 4'"):
+        oracle.pick_questions(rows, 8, {"single": 1, "bridge": 1})
+    with pytest.raises(ValueError, match="not all 0"):
+        oracle.pick_questions(rows, 4, {"single": 0, "bridge": 0})

@@ -220,11 +220,27 @@ def test_scripted_metrics_by_hand_and_compare(tiny_lm_dir, small_corpus, tiny_en
     assert without_timing(runs["react"]["datasets"])["alpha"]["em"] == 0.5
     capsys.readouterr()
     evaluate.main(["--compare", str(tmp_path / "memsearcher" / "results.json"), str(tmp_path / "react" / "results.json"),
-                   "--output_dir", str(tmp_path)])
+                   "--output_dir", str(tmp_path / "compared")])  # a folder not there yet
     printed = capsys.readouterr().out
+    assert (tmp_path / "compared" / "context_tokens_compare.png").is_file() or "matplotlib" in printed
     alpha = "0.500 [{:.3f}, {:.3f}]".format(*evaluate.bootstrap_interval([1.0, 0.0]))  # with its 95% interval
     assert f"| MemSearcher (tiny-llama) [memsearcher] | EM | {alpha} | 0.000 [0.000, 0.000] | 0.250 |" in printed
     assert f"| ReAct (tiny-llama) [react] | EM | {alpha} | 0.000 [0.000, 0.000] | 0.250 |" in printed and "turn 3" in printed
+    assert ("Paired difference, ReAct (tiny-llama) [react] minus MemSearcher (tiny-llama) [memsearcher], over the 5 "
+            "questions both answered") in printed
+
+
+def test_paired_difference_by_hand():
+    """B - A on the questions both runs answered; question "z" is only in B and does not count."""
+    a = [{"dataset": "x", "id": "1", "em": 0.0, "f1": 0.5, "acc": 1.0}, {"dataset": "x", "id": "2", "em": 1.0, "f1": 1.0, "acc": 1.0},
+         {"dataset": "y", "id": "1", "em": 0.0, "f1": 0.0, "acc": 1.0}]
+    b = [{"dataset": "y", "id": "1", "em": 1.0, "f1": 1.0, "acc": 1.0}, {"dataset": "x", "id": "1", "em": 1.0, "f1": 1.0, "acc": 1.0},
+         {"dataset": "x", "id": "2", "em": 1.0, "f1": 0.5, "acc": 1.0}, {"dataset": "x", "id": "z", "em": 1.0, "f1": 1.0, "acc": 1.0}]
+    diff = evaluate.paired_difference(a, b)
+    assert diff["n"] == 3
+    assert diff["em"] == (pytest.approx(2 / 3), evaluate.bootstrap_interval([1.0, 1.0, 0.0]))  # in b's order
+    assert diff["f1"][0] == pytest.approx((1.0 + 0.5 - 0.5) / 3) and diff["acc"][0] == 0.0
+    assert diff["acc"][1] == [0.0, 0.0]
 
 
 # --- resume ----------------------------------------------------------------------------------------

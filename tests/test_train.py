@@ -59,7 +59,10 @@ def state(path):
 def test_config_errors_fail_fast(tmp_path):
     for bad, message in [(["--group_size", "1"], "group_size must be >= 2"),
                          (["--batch_size", "3", "--mini_batch_size", "2"], "multiple of --mini_batch_size"),
-                         (["--train_data", str(tmp_path / "none.jsonl")], "train_data not found")]:
+                         (["--train_data", str(tmp_path / "none.jsonl")], "train_data not found"),
+                         (["--warm_start_mix", "1:2"], "warm_start_mix 1:2 .flag.: give three shares"),
+                         (["--warm_start_mix", "a:b:c"], "single:bridge:comparison"),
+                         (["--warm_start_mix", "0:0:0"], "not all 0")]:
         with pytest.raises(SystemExit, match=message):
             train.check_config(train.parse_args(bad), world_size=1)
     with pytest.raises(SystemExit, match="divisible by the 3 processes"):
@@ -293,7 +296,8 @@ def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_pa
 def warm_args(tiny_lm_dir, world, out, **extra):
     """The tiny model on the demo world with the embedded encoder: warm start only, unless told."""
     args = dict(corpus=world / "corpus.jsonl", encoder="default", train_data=world / "train.jsonl", max_steps=0,
-                warm_start_steps=24, warm_start_batch=4, warm_start_lr=1e-2, warm_start_questions=8)
+                warm_start_steps=24, warm_start_batch=4, warm_start_lr=1e-2, warm_start_questions=8,
+                warm_start_mix="7:1:0")  # all 8 train rows of demo_world: 7 single-hop, 1 bridge
     args.update(extra)
     return base_args(tiny_lm_dir, None, None, out, **args)
 
@@ -329,6 +333,13 @@ def test_warm_start_lowers_heldout_nll_and_teaches_the_format(tiny_lm_dir, token
                                                         for m in (base, warm))
     assert nll_after < 0.8 * nll_before
     assert acc_before < 0.01 and acc_after > 0.3  # the demonstrated format, token by token, on unseen questions
+
+
+def test_a_warm_start_mix_the_data_cannot_fill_fails_clearly(tiny_lm_dir, demo_world, tmp_path):
+    """demo_world's 8 train rows hold 7 single-hop questions, 1 bridge and no comparison."""
+    with pytest.raises(SystemExit, match=r"--warm_start_mix 1:1:1: too few .*'bridge': '1 of 3', 'comparison': '0 of 2'"):
+        train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_mix="1:1:1"))
+    assert not (tmp_path / "warm_start").exists()
 
 
 def test_resume_after_warm_start_continues_exactly(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
