@@ -225,8 +225,8 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
 
 
 def demonstrations(args, search, tokenizer, rollout_kwargs):
-    """Oracle demonstrations of the first --warm_start_questions train questions (data/oracle.py):
-    acted out through agent.rollout, so prompts, tool turns and loss masks are exactly RL's."""
+    """Oracle demonstrations of --warm_start_questions train questions, the first of each type in the
+    --warm_start_mix shares (data/oracle.py): acted out through agent.rollout, so prompts, tool turns and loss masks are exactly RL's."""
     from data import oracle  # the toy world's oracle: needs rows with reasoning chains
 
     rows = oracle.load_rows(args.train_data)

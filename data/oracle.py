@@ -5,8 +5,8 @@ search, the fact sentence and its passage, the hop's answer). The oracle is a sc
 acts that chain out through `agent.rollout` itself, with the real search tool: each turn it reads
 the question and the memory from the prompt, searches the next hop's entity, writes the hop's fact
 (labelled with its kind) into the memory, keeping every earlier fact, and answers in \\boxed{} once
-the memory holds the whole chain. Its demonstrations are therefore `agent.Conversation`s with exactly the prompts,
-tool-response turns and loss masks that RL trains on.
+the memory holds the whole chain. Its demonstrations are therefore `agent.Conversation`s with
+exactly the prompts, tool-response turns and loss masks that RL trains on.
 
 A demonstration is kept only if it earns reward 1.0 and every hop's supporting passage was among
 the documents the search tool actually returned in that trajectory (so no memory states a fact the
@@ -103,7 +103,7 @@ def norm(text: str) -> str:
 
 def labelled(hop: dict) -> str:
     """A hop's fact as the memory keeps it, led by the kind of fact it is, e.g. "The capital of
-    Casrusavar: The capital of Casrusavar is Yorova." The next turn's "That gives the capital" then
+    Casrusavar: Casrusavar has its capital in Yorova." The next turn's "That gives the capital" then
     copies the label of the memory's latest fact instead of inferring its kind from the sentence."""
     return f"The {KIND[hop['relation']]} of {hop['search']}: {hop['note']}"
 
