@@ -541,50 +541,6 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
     return trajectories
 
 
-def load_questions(path: str) -> list[dict]:
-    """Question rows as {"id", "question", "golden_answers", "dataset"} from FlashRAG jsonl
-    ({"id", "question", "golden_answers": [...]}) or Search-R1 parquet (`question`, `data_source`,
-    `golden_answers` or `reward_model.ground_truth.target`). A bad row is an error naming file and row.
-    Every row gets a distinct `id`: the file's own where it is unique, else `source/id/row<k>`."""
-    dataset = os.path.splitext(os.path.basename(path))[0]
-    if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
-        rows = [(k + 1, r) for k, r in enumerate(pq.read_table(path).to_pylist())]
-    else:
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for k, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((k, json.loads(line)))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
-    questions = []
-    for k, row in rows:
-        golds = row.get("golden_answers") if isinstance(row, dict) else None
-        if golds is None and isinstance(row, dict):
-            golds = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
-        golds = [golds] if isinstance(golds, str) else golds
-        question = row.get("question") if isinstance(row, dict) else None
-        if not isinstance(question, str) or not question.strip():
-            raise ValueError(f"{path}:{k}: missing or empty `question`")
-        if not isinstance(golds, (list, tuple)) or not golds or not all(isinstance(g, str) for g in golds):
-            raise ValueError(f"{path}:{k}: `golden_answers` must be a non-empty list of strings")
-        source = str(row.get("data_source") or dataset)
-        given = row.get("id")
-        questions.append({"id": None if given is None else str(given), "question": question.strip(),
-                          "golden_answers": list(golds), "dataset": source, "row": k})
-    seen = Counter(q["id"] for q in questions)
-    for q in questions:  # the GRPO group key and evaluation's resume key: unique per row
-        if q["id"] is None or seen[q["id"]] > 1:  # e.g. Search-R1's parquet: NQ and HotpotQA both start at train_0
-            q["id"] = "/".join(x for x in (q["dataset"], q["id"], f"row{q['row']}") if x)
-        del q["row"]
-    return questions
-
-
 # ---------------------------------------------------------------------------------------------
 # 8. Printing a trajectory: trained (sampled) tokens as they are, masked tokens dimmed
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import agent
 import retriever
+from data.questions import load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
@@ -81,7 +82,7 @@ def load_datasets(paths: list[str], limit: int | None = None, seed: int = 0) -> 
         stem = os.path.splitext(os.path.basename(path))[0]
         folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
         try:
-            questions = agent.load_questions(path)
+            questions = load_questions(path)
         except (ValueError, ImportError, OSError) as e:
             raise SystemExit(f"evaluate.py: {e}") from None
         for q in questions:
@@ -424,6 +425,8 @@ def parse_args(argv=None):
     ap.add_argument("--limit", type=int, default=None, help="at most N questions per dataset (a seeded sample)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch_size", type=int, default=16, help="questions per rollout call (per process)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="weights' precision; auto: bfloat16 on GPU (as released), float32 on CPU (bfloat16 is ~3x faster on CPUs with AMX)")
     ap.add_argument("--max_turns", type=int, default=20)
     ap.add_argument("--max_new_tokens", type=int, default=512)
     ap.add_argument("--max_memory_tokens", type=int, default=None, help="memory cap (none by default, as released)")
@@ -449,7 +452,8 @@ def main(argv=None, generate_fn=agent.generate):
     default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
     args.system_prompt_text = agent.read_prompt_file(args.system_prompt, default_prompt)
     args.memory_instruction_text = agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION)
-    run = {"agent": args.agent, "model": args.model, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
+    dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
+    run = {"agent": args.agent, "model": args.model, "dtype": dtype, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
            "max_memory_tokens": args.max_memory_tokens, "doc_format": args.doc_format, "default_top_n": args.default_top_n,
            "system_prompt": args.system_prompt_text, "memory_instruction": args.memory_instruction_text,
            "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
@@ -467,8 +471,7 @@ def main(argv=None, generate_fn=agent.generate):
         search.search(["ping"], 1)
     t0 = time.time()
     if mine:
-        model, tokenizer = agent.load_model(args.model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                            device=device)
+        model, tokenizer = agent.load_model(args.model, dtype=getattr(torch, dtype), device=device)
         path = os.path.join(args.output_dir, f"predictions.rank{rank}-{uuid.uuid4().hex[:8]}.jsonl")
         evaluate_shard(model, tokenizer, search, mine, args, run, path, device, generate_fn, accelerator.is_main_process)
     accelerator.wait_for_everyone()

@@ -29,6 +29,7 @@ from tqdm import tqdm
 import agent
 import grpo
 import retriever
+from data.questions import load_questions
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration: (flag, toy preset, paper preset, help). Explicit flags override the preset.
@@ -325,7 +326,7 @@ def main(argv=None, generate_fn=agent.generate):
                               project_dir=args.output_dir)  # trackers (tensorboard) log under output_dir
     rank, world = accelerator.process_index, accelerator.num_processes
     check_config(args, world, accelerator.distributed_type)
-    questions = agent.load_questions(args.train_data)
+    questions = load_questions(args.train_data)
     default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
     system_prompt = agent.read_prompt_file(args.system_prompt, default_prompt)
     memory_instruction = agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION)

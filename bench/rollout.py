@@ -13,7 +13,12 @@ Prints, from one run:
    against the batched rollout, in tokens/s, with the ratio rollout / raw;
 3. context tokens per turn (the paper's Figure 3): MemSearcher vs ReAct on the same questions over
    10 turns, with a scripted policy that searches every turn and the real retriever's documents;
-   a plot `bench/context_tokens.png` when matplotlib is installed.
+   a plot `bench/context_tokens.png` when matplotlib is installed;
+4. precision (`--sections 4`, best with a trained `--model`): the batched rollout in float32 against
+   bfloat16 weights (evaluate.py --dtype), in tokens/s with the ratio, and how many greedy
+   predictions and answers agree.
+
+    python bench/rollout.py --sections 4 --model runs/memsearcher
 """
 import argparse
 import json
@@ -29,11 +34,12 @@ sys.path.insert(0, ROOT)
 
 import agent  # noqa: E402
 import retriever  # noqa: E402
+from data.questions import load_questions as question_rows  # noqa: E402
 
 
 def load_questions(n):
     """The first n rows of the toy test set (a fixed selection)."""
-    return agent.load_questions(os.path.join(ROOT, "data", "toy", "test.jsonl"))[:n]
+    return question_rows(os.path.join(ROOT, "data", "toy", "test.jsonl"))[:n]
 
 
 def timed_generate(stats):
@@ -221,25 +227,55 @@ def plot(means, path):
     print(f"plot: {path}")
 
 
+# ---------------------------------------------------------------------------------------------
+# 4. Precision: float32 vs bfloat16 weights, same questions, greedy
+# ---------------------------------------------------------------------------------------------
+def bench_precision(model, tokenizer, questions, search, args):
+    n = len(questions)
+    runs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = model.to(dtype)
+        agent.generate(model, tokenizer, [agent.encode(tokenizer, "Hello")] * 2, max_new_tokens=4, greedy=True)  # warm-up
+        trajectories, seconds, _ = run_rollouts(model, tokenizer, questions, search, [questions], args)
+        runs[str(dtype).split(".")[1]] = (trajectories, seconds, sampled_tokens(trajectories))
+    model.to(torch.float32)
+    print(f"\n== 4. Precision: one batched rollout over {n} questions (greedy, max_turns {args.max_turns}, max_new_tokens "
+          f"{args.max_new_tokens}), CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"{'weights':>10} | {'wall s':>7} | {'gen tokens':>10} | {'tokens/s':>8} | {'F1':>5} | ends")
+    for name, (ts, secs, toks) in runs.items():
+        f1 = sum(agent.f1_score(t.prediction, t.golden_answers) for t in ts) / n
+        print(f"{name:>10} | {secs:>7.1f} | {toks:>10} | {toks / secs:>8.1f} | {f1:>5.2f} | {describe(ts)}")
+    (a, ta, _), (b, tb, _) = runs.values()
+    print(f"bfloat16 / float32: {ta / tb:.2f}x wall time per question; same prediction {sum(x.prediction == y.prediction for x, y in zip(a, b))}/{n}, "
+          f"identical sampled tokens {sum(sampled_ids(x) == sampled_ids(y) for x, y in zip(a, b))}/{n}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", type=int, default=16, help="questions (= batch size) from data/toy/test.jsonl")
     ap.add_argument("--max_new_tokens", type=int, default=128, help="per generation, in sections 1 and 2")
     ap.add_argument("--max_turns", type=int, default=5, help="turn limit in sections 1 and 2")
     ap.add_argument("--memory_words", type=int, default=60, help="words the scripted memory keeps (section 3)")
+    ap.add_argument("--model", default="default", help="policy: `default` (embedded SmolLM2) or a checkpoint / train.py output folder")
+    ap.add_argument("--sections", default="1,2,3", help="which sections to run, e.g. 4 or 1,2,3,4")
     args = ap.parse_args()
     import transformers
 
     print(f"machine: {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"transformers {transformers.__version__}; load average {os.getloadavg()[0]:.2f}")
     start = time.perf_counter()
-    model, tokenizer = agent.load_model("default")
+    sections = set(args.sections.split(","))
+    model, tokenizer = agent.load_model(args.model)
     search = retriever.open_retriever()
     questions = load_questions(args.questions)
-    print(f"loaded SmolLM2-135M and the toy retriever in {time.perf_counter() - start:.1f} s; "
+    print(f"loaded {args.model} and the toy retriever in {time.perf_counter() - start:.1f} s; "
           f"{len(questions)} questions: {questions[0]['id']} .. {questions[-1]['id']}")
-    bench_throughput(model, tokenizer, questions, search, args)
-    bench_context(tokenizer, questions, search, args)
+    if sections & {"1", "2"}:
+        bench_throughput(model, tokenizer, questions, search, args)
+    if "3" in sections:
+        bench_context(tokenizer, questions, search, args)
+    if "4" in sections:
+        bench_precision(model, tokenizer, questions, search, args)
     print(f"\ntotal {time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}")
 
 

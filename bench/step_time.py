@@ -23,6 +23,7 @@ import agent  # noqa: E402
 import grpo  # noqa: E402
 import retriever  # noqa: E402
 import train  # noqa: E402
+from data.questions import load_questions  # noqa: E402
 
 
 def main():
@@ -37,7 +38,7 @@ def main():
     torch.manual_seed(args.seed)
     model, tokenizer = agent.load_model(args.model)
     search = retriever.open_retriever(doc_format="release")
-    questions = agent.load_questions(os.path.join(ROOT, "data", "toy", "train.jsonl"))[:args.questions]
+    questions = load_questions(os.path.join(ROOT, "data", "toy", "train.jsonl"))[:args.questions]
     t0 = time.time()
     trajectories = agent.rollout(model, tokenizer, questions, search, group_size=args.group, max_turns=3,
                                  max_new_tokens=args.max_new_tokens)

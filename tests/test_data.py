@@ -1,5 +1,6 @@
 """The committed toy worlds (data/toy/, and data/toy_seed1/ for transfer): formats, answerability,
-reasoning chains, splits, reproducibility; and the oracle's demonstrations (data/oracle.py)."""
+reasoning chains, splits, reproducibility; the oracle's demonstrations (data/oracle.py); question
+rows for training and evaluation (data/questions.py)."""
 import json
 import re
 import subprocess
@@ -346,3 +347,19 @@ def test_pick_questions_takes_the_first_of_each_type_in_the_shares_given():
         oracle.pick_questions(rows, 8, {"single": 1, "bridge": 1})
     with pytest.raises(ValueError, match="not all 0"):
         oracle.pick_questions(rows, 4, {"single": 0, "bridge": 0})
+
+
+# --- question rows ---------------------------------------------------------------------------------
+def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
+    rows = [{"id": "train_0", "question": "a?", "golden_answers": ["x"], "data_source": "nq"},
+            {"id": "train_0", "question": "b?", "golden_answers": ["y"], "data_source": "hotpotqa"},
+            {"id": "train_1", "question": "c?", "golden_answers": ["z"], "data_source": "nq"},
+            {"question": "d?", "golden_answers": ["w"]}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from data import questions
+    ids = [q["id"] for q in questions.load_questions(str(path))]
+    assert ids == ["nq/train_0/row1", "hotpotqa/train_0/row2", "train_1", "train/row4"]
+    import grpo
+    adv = grpo.group_advantages([1.0, 0.0, 0.0, 1.0], [ids[0], ids[0], ids[1], ids[1]])  # two groups, not one
+    assert adv.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)

@@ -10,6 +10,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 import agent
 import evaluate
@@ -263,6 +264,26 @@ def test_resume_skips_finished_questions(tiny_lm_dir, small_corpus, tiny_encoder
     assert again == [] and len(read_jsonl(tmp_path / "cut" / "predictions.jsonl")) == 5
     with pytest.raises(SystemExit, match="holds predictions of another run"):
         evaluate.main(argv(tmp_path / "cut", "--agent", "react"), generate_fn=scripted())
+    with pytest.raises(SystemExit, match="holds predictions of another run"):  # other weights' precision
+        evaluate.main(argv(tmp_path / "cut", "--dtype", "bfloat16"), generate_fn=scripted())
+
+
+def test_dtype_reaches_the_model_and_the_record(tiny_lm_dir, small_corpus, tiny_encoder_dir, two_datasets, tmp_path):
+    seen = []
+
+    def generate_fn(model, tokenizer, prompts, **sampling):
+        seen.append(next(model.parameters()).dtype)
+        return scripted()(model, tokenizer, prompts, **sampling)
+
+    for dtype, expected in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):  # auto on CPU: float32
+        seen.clear()
+        out = tmp_path / dtype
+        results = evaluate.main(args_for(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, "--data", two_datasets,
+                                         "--dtype", dtype), generate_fn=generate_fn)
+        assert set(seen) == {expected}
+        assert results["run"]["dtype"] == str(expected).split(".")[1]
+        assert {r["run"]["dtype"] for r in read_jsonl(out / "predictions.jsonl")} == {results["run"]["dtype"]}
+        assert results["average"]["em"] == 0.25  # the scripted answers score the same either way
 
 
 # --- two processes (torchrun, gloo) give one process's results; resume works sharded -------------
