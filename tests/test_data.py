@@ -363,3 +363,21 @@ def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
     import grpo
     adv = grpo.group_advantages([1.0, 0.0, 0.0, 1.0], [ids[0], ids[0], ids[1], ids[1]])  # two groups, not one
     assert adv.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
+
+
+# --- where a chain breaks (bench/chain_funnel.py), by hand ----------------------------------------
+def test_chain_funnel_counts_each_stage_only_after_the_ones_before():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("chain_funnel", ROOT / "bench" / "chain_funnel.py")
+    funnel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(funnel)
+    chain = [{"search": "Mabeland", "passage_id": "7", "answer": "Ithstad"},
+             {"search": "Ithstad", "passage_id": "8", "answer": "38,206"}]
+    passages = {"7": "Mabeland has its capital in Ithstad.", "8": "The town has a population of 38,206."}
+    turns = [{"queries": ["mabeland"], "documents": ["Mabeland has its capital in Ithstad. Other text."],
+              "memory": "The capital of Mabeland: Ithstad."},
+             {"queries": ["Ithstad town"], "documents": ["Unrelated passage."], "memory": "It has 38,206 people."}]
+    # hop 2's passage never came back, so its memory fact does not count; a lucky answer counts only last
+    assert funnel.funnel({"turns": turns, "em": 1.0}, chain, passages) == [True, True, True, True, False, False, False, True]
+    assert funnel.funnel({"turns": turns[:1], "em": 0.0}, chain, passages) == [True, True, True, False, False, False, False, False]
+    assert not funnel.contains("Ithstadt", "Ithstad") and funnel.contains("in the ithstad.", "Ithstad")
