@@ -8,7 +8,7 @@
     python evaluate.py --compare A/results.json B/results.json   # side by side; two runs: B - A, paired
 
 As in the paper (DESIGN.md §2, §7): greedy, at most 20 turns, an invalid memory update resets the
-memory. Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq")
+memory; weights in bfloat16 on a GPU, float32 on a CPU (--dtype, part of what a resume matches). Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq")
 or Search-R1's test parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
 - predictions.jsonl: every trajectory in full, one line per question (`record`);
 - results.json: {"run", "config", "datasets": {name: metrics}, "average": metrics} (`summarize`);
