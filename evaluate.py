@@ -8,8 +8,9 @@
     python evaluate.py --compare A/results.json B/results.json   # side by side; two runs: B - A, paired
 
 As in the paper (DESIGN.md §2, §7): greedy, at most 20 turns, an invalid memory update resets the
-memory; weights in bfloat16 on a GPU, float32 on a CPU (--dtype, part of what a resume matches). Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq")
-or Search-R1's test parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
+memory; weights in bfloat16 on a GPU, float32 on a CPU (--dtype, part of what a resume matches).
+Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq") or
+Search-R1's test parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
 - predictions.jsonl: every trajectory in full, one line per question (`record`);
 - results.json: {"run", "config", "datasets": {name: metrics}, "average": metrics} (`summarize`);
   "average" is the paper's Avg (mean over datasets) for EM, F1, acc, turns, searches and seconds,
@@ -426,7 +427,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch_size", type=int, default=16, help="questions per rollout call (per process)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="weights' precision; auto: bfloat16 on GPU (as released), float32 on CPU (bfloat16 is ~3x faster on CPUs with AMX)")
+                    help="weights' precision; auto: bfloat16 on GPU (as released), float32 on CPU (bfloat16 is faster there with AMX, but shifts a float32-trained policy's greedy choices)")
     ap.add_argument("--max_turns", type=int, default=20)
     ap.add_argument("--max_new_tokens", type=int, default=512)
     ap.add_argument("--max_memory_tokens", type=int, default=None, help="memory cap (none by default, as released)")

@@ -14,7 +14,6 @@ only: no model, no CPU to speak of.
 import argparse
 import json
 import os
-import re
 import sys
 from collections import defaultdict
 
