@@ -304,6 +304,17 @@ def compute_reward(final_conversation_text: str, ends_with_end_of_turn: bool, go
     return f1_score(prediction, golds) or 0.1
 
 
+def evidence_share(trajectory, supporting_ids) -> float:
+    """Evidence credit (David-GRPO's evidence-guided reward, DESIGN §10): the share of the question's
+    supporting passages whose corpus ids are among the documents the trajectory retrieved.
+
+        E = |supporting ∩ retrieved| / |supporting|          (0 for a question without supporting ids)
+    """
+    wanted = {str(i) for i in supporting_ids or ()}
+    seen = {i for turn in trajectory.turns for ids in turn.get("document_ids", ()) for i in ids}
+    return len(wanted & seen) / len(wanted) if wanted else 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. What a rollout returns
 # ---------------------------------------------------------------------------------------------
@@ -500,6 +511,7 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
             results = [call["error"] or next(documents) for call in calls]
             t.num_searches += len(calls)
             t.turns[-1]["documents"] = results
+            t.turns[-1]["document_ids"] = [list(getattr(r, "ids", ())) for r in results]  # retriever.Documents
             c.append(encode(tokenizer, tool_response_turn(calls, results, instruction if agent == "memsearcher" else None)),
                      trained=False)
             if len(c.response_ids) > max_response_tokens:  # over the response budget: cut, and the trajectory ends

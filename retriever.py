@@ -289,10 +289,20 @@ class Retriever:
         return [[Hit(**self.corpus[j], score=float(s)) for s, j in zip(row_s, row_i) if j >= 0]
                 for row_s, row_i in zip(scores, ids)]
 
-    def __call__(self, queries: list[str], topk: int | list[int] = 5) -> list[str]:
+    def __call__(self, queries: list[str], topk: int | list[int] = 5) -> list[Documents]:
         ks = [topk] * len(queries) if isinstance(topk, int) else list(topk)
         hits = self.search(queries, max(ks, default=1))
-        return [render_docs(h[:k], self.doc_format) for h, k in zip(hits, ks)]
+        return [Documents(render_docs(h[:k], self.doc_format), [hit.id for hit in h[:k]]) for h, k in zip(hits, ks)]
+
+
+class Documents(str):
+    """One query's rendered results: the text the model reads, carrying the passages' corpus ids
+    (`.ids`) so a rollout can tell which passages it saw (evidence credit) without re-parsing text."""
+
+    def __new__(cls, text: str, ids=()):
+        self = super().__new__(cls, text)
+        self.ids = tuple(str(i) for i in ids)
+        return self
 
 
 def cache_is_fresh(index_path: str, corpus: Corpus, encoder_name: str) -> bool:

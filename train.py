@@ -50,6 +50,7 @@ HYPERPARAMETERS = [
     ("warm_start_mix", "1:1:1", "1:1:1", "shares of single-hop:bridge:comparison among those questions, first ones of each type in file order"),
     ("warm_start_batch", 4, 4, "demonstration conversations per warm-start step, over all ranks"),
     ("warm_start_lr", 1e-4, 1e-5, "AdamW learning rate of the warm start, constant"),
+    ("warm_start_save_every", 10, 10, "save the warm start's state every N steps, so --resume continues an interrupted one"),
     ("lr", 1e-5, 1e-6, "AdamW learning rate, constant; paper: 1e-6"),
     ("weight_decay", 0.01, 0.01, "AdamW weight decay; paper: 0.01"),
     ("grad_clip", 1.0, 1.0, "max global gradient norm; paper: 1.0"),
@@ -59,6 +60,16 @@ HYPERPARAMETERS = [
      "they equal the recomputation) or recompute (a forward pass before the update, as released)"),
     ("kl_coef", 0.001, 0.001, "k3 KL-to-reference coefficient (0 skips the reference model); paper: 0.001"),
     ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0, see README: with no reward signal it only raises entropy)"),
+    # Small-budget recipe (DESIGN §10; README, "RL at a small budget"): every option off in the paper preset.
+    ("oracle_per_group", 0, 0, "K oracle trajectories (data/oracle.py) join each group whose question has a reasoning chain "
+     "(expert bootstrapping: David-GRPO, LUFFY); paper: 0"),
+    ("oracle_when_unsolved", False, False, "add the oracle only to groups where no sampled trajectory earned reward 1"),
+    ("evidence_weight", 0.0, 0.0, "lambda: reward = (1 - lambda) released reward + lambda share of the question's supporting "
+     "passages retrieved (David-GRPO's evidence credit), for rows with supporting ids; paper: 0"),
+    ("skip_equal_groups", False, False, "groups whose rewards are all equal (advantage 0) skip the log-prob passes and the update "
+     "(DAPO, MemAgent); the token-mean is then over the kept tokens"),
+    ("mixed_precision", "auto", "auto", "no, bf16, or auto: the launcher's bf16/fp16 if set, else bf16 autocast on a CPU-only "
+     "machine whose CPU has AMX, else none; weights stay float32"),
     ("max_turns", 3, 5, "turns per trajectory in training; paper: 5"),
     ("max_new_tokens", 128, 512, "tokens per generation; paper: 512"),
     ("max_memory_tokens", 1024, 1024, "memory cap in tokens; paper: 1024"),
@@ -143,6 +154,10 @@ def check_config(args, world_size, distributed_type=None):
         problems.append(f"{described(args, 'batch_size')} must be a multiple of {described(args, 'mini_batch_size')}")
     if args.doc_format not in retriever.DOC_FORMATS:
         problems.append(f"--doc_format must be one of {', '.join(retriever.DOC_FORMATS)}, got {args.doc_format!r}")
+    if not 0.0 <= args.evidence_weight <= 1.0:
+        problems.append(f"{described(args, 'evidence_weight')} must be in [0, 1]")
+    if args.oracle_per_group < 0:
+        problems.append(f"{described(args, 'oracle_per_group')} must be >= 0")
     if not os.path.isfile(args.train_data):
         problems.append(f"--train_data not found: {args.train_data}")
     try:
@@ -243,13 +258,16 @@ def demonstrations(args, search, tokenizer, rollout_kwargs):
     return [c for t in trajectories for c in t.conversations], stats
 
 
-def warm_start(accelerator, model, optimizer, demos, pad_id, args, log):
+def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0, save=lambda step: None):
     """--warm_start_steps supervised steps: the token-mean negative log-likelihood over exactly the
     loss mask RL trains, on --warm_start_batch demonstration conversations a step (split over ranks),
-    through the same micro-batched update as GRPO."""
+    through the same micro-batched update as GRPO. The batches are a function of (seed, step), so a
+    run resumed at `start` (weights and optimizer restored) continues exactly; `save(step)` runs
+    every --warm_start_save_every steps."""
     rank, world = accelerator.process_index, accelerator.num_processes
     order, epoch = [], 0
-    bar = tqdm(range(args.warm_start_steps), disable=not accelerator.is_main_process, desc="warm start")
+    bar = tqdm(range(start, args.warm_start_steps), initial=start, total=args.warm_start_steps,
+               disable=not accelerator.is_main_process, desc="warm start")
     for step in bar:
         while len(order) < (step + 1) * args.warm_start_batch:  # a fresh seeded shuffle every epoch
             more = list(range(len(demos)))
@@ -267,6 +285,74 @@ def warm_start(accelerator, model, optimizer, demos, pad_id, args, log):
         log({"phase": "warm_start", "step": step + 1, "loss": loss / world, "trained_tokens": tokens,
              "tokens_per_second": context / seconds, "grad_norm": grad_norm, "seconds": seconds})
         bar.set_postfix(nll=f"{loss / world:.3f}")
+        if args.warm_start_save_every and (step + 1) % args.warm_start_save_every == 0 and step + 1 < args.warm_start_steps:
+            save(step + 1)
+
+
+def trim_logs(output_dir, phase, last_step):
+    """On resume: drop the log rows an interrupted run wrote after its last checkpoint (rows of
+    `phase` past `last_step`, and every row of a later phase), so metrics.jsonl and samples.jsonl
+    hold each step once."""
+    later = {"warm_start": {"warm_start", "grpo"}, "grpo": {"grpo"}}[phase]
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path):
+            continue
+        kept = []
+        for line in open(path, encoding="utf-8"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the interruption
+                continue
+            row_phase = row.get("phase", "grpo")  # samples.jsonl rows are GRPO's
+            if row_phase not in later or (row_phase == phase and row.get("step", 0) <= last_step):
+                kept.append(line if line.endswith("\n") else line + "\n")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
+    """--mixed_precision auto: the launcher's bf16/fp16 (`accelerate launch --mixed_precision`) if it
+    set one; else bf16 autocast on a machine without CUDA whose CPU has AMX bf16 units (about 2.5x
+    faster rollouts there, README); else none. The weights stay float32 whatever is chosen."""
+    if choice not in ("auto", "no", "bf16", "fp16"):
+        raise SystemExit(f"train.py: bad configuration: --mixed_precision must be auto, no, bf16 or fp16, not {choice!r}")
+    if choice != "auto":
+        return choice
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch always sets it ("no" by default)
+    if launched != "no":
+        return launched
+    if not torch.cuda.is_available() and os.path.exists(cpuinfo):
+        with open(cpuinfo) as f:
+            if "amx_bf16" in f.read():
+                return "bf16"
+    return "no"
+
+
+def expert_trajectories(rows, search, tokenizer, args, seed, rollout_kwargs, solved=()):
+    """Expert bootstrapping (--oracle_per_group K; David-GRPO's expert trajectories, LUFFY's
+    off-policy guidance): K oracle trajectories per row whose question has a reasoning chain (and,
+    with --oracle_when_unsolved, only where no sampled trajectory of its group is in `solved`),
+    acted out through `agent.rollout` with the same prompts, tool turns and masks as the samples.
+    They join their question's group: advantages are normalised over all G + K rewards.
+
+    Off-policy tokens enter the PPO ratio with old log-probs *recomputed under the current policy*
+    (the oracle has none of its own), so for an oracle token the update starts from
+
+        r_t = pi_theta(x_t) / sg(pi_theta(x_t)) = 1,   grad = -A_i * grad log pi_theta(x_t) / N,
+
+    an advantage-weighted likelihood step on the oracle's tokens, clipped like any other token in
+    later mini-batches of the step. No importance correction for the oracle being the behaviour
+    policy (LUFFY's policy shaping would reweight low-probability tokens instead)."""
+    from data import oracle  # the toy world's oracle: needs rows with reasoning chains
+
+    rows = [q for q in rows if (q.get("metadata") or {}).get("chain")
+            and not (args.oracle_when_unsolved and str(q["id"]) in solved)]
+    if not rows or args.oracle_per_group <= 0:
+        return []
+    return agent.rollout(None, tokenizer, rows, search, group_size=args.oracle_per_group, max_turns=args.max_turns,
+                         max_new_tokens=args.max_new_tokens, generate_fn=oracle.Oracle(rows, seed=seed), **rollout_kwargs)
 
 
 def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
@@ -322,10 +408,13 @@ def step_questions(questions, step, batch_size, seed):
 def main(argv=None, generate_fn=agent.generate):
     args = parse_args(argv)
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
-    accelerator = Accelerator(cpu=multi_cpu, log_with=args.report_to.split(",") if args.report_to else None,
-                              project_dir=args.output_dir)  # trackers (tensorboard) log under output_dir
+    precision = resolve_precision(args.mixed_precision)
+    accelerator = Accelerator(cpu=multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
+                              log_with=args.report_to.split(",") if args.report_to else None)
     rank, world = accelerator.process_index, accelerator.num_processes
     check_config(args, world, accelerator.distributed_type)
+    accelerator.print(f"precision: float32 weights, {'no autocast' if precision == 'no' else precision + ' autocast'} "
+                      f"(--mixed_precision {args.mixed_precision})")
     questions = load_questions(args.train_data)
     default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
     system_prompt = agent.read_prompt_file(args.system_prompt, default_prompt)
@@ -376,7 +465,7 @@ def main(argv=None, generate_fn=agent.generate):
 
     # --- warm start (toy preset, DESIGN §9): oracle demonstrations, saved as warm_start/; GRPO
     # starts from it and its KL reference is it. --resume skips a finished warm start. ----------
-    warm_dir = os.path.join(args.output_dir, "warm_start")
+    warm_dir, partial = (os.path.join(args.output_dir, name) for name in ("warm_start", "warm_start_partial"))
     if args.warm_start_steps > 0:
         if args.resume and os.path.isfile(os.path.join(warm_dir, "trainer_state.json")):
             accelerator.load_state(os.path.join(warm_dir, "state"))
@@ -387,8 +476,18 @@ def main(argv=None, generate_fn=agent.generate):
                               f"{stats['conversations']} conversations, {stats['trained_tokens']} trained tokens")
             for group in optimizer.param_groups:
                 group["lr"] = args.warm_start_lr
-            warm_start(accelerator, model, optimizer, demos, pad_id, args, log)
+            done = 0
+            if args.resume and os.path.isfile(os.path.join(partial, "trainer_state.json")):  # an interrupted warm start
+                accelerator.load_state(os.path.join(partial, "state"))
+                done = json.load(open(os.path.join(partial, "trainer_state.json")))["step"]
+                accelerator.print(f"warm start resumed from {partial} (step {done})")
+            if accelerator.is_main_process:
+                trim_logs(args.output_dir, "warm_start", done)
+            save = lambda step: save_checkpoint(accelerator, model, tokenizer, args, step, name="warm_start_partial")  # noqa: E731
+            warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=done, save=save)
             save_checkpoint(accelerator, model, tokenizer, args, 0, name="warm_start")
+            if accelerator.is_main_process:
+                shutil.rmtree(partial, ignore_errors=True)
         optimizer.optimizer.state.clear()  # GRPO starts with fresh AdamW moments, at its own learning rate
         for group in optimizer.param_groups:
             group["lr"] = args.lr
@@ -404,6 +503,8 @@ def main(argv=None, generate_fn=agent.generate):
         accelerator.load_state(os.path.join(last, "state"))
         start_step = json.load(open(os.path.join(last, "trainer_state.json")))["step"]
         accelerator.print(f"resumed from {last} (step {start_step})")
+    if accelerator.is_main_process and args.max_steps > start_step:
+        trim_logs(args.output_dir, "grpo", start_step)
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                disable=not accelerator.is_main_process, desc="steps")
 
@@ -421,19 +522,34 @@ def main(argv=None, generate_fn=agent.generate):
                 policy, tokenizer, mine, search, group_size=args.group_size, max_turns=args.max_turns,
                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 generate_fn=generate_fn, **rollout_kwargs)
+        experts = expert_trajectories(mine, search, tokenizer, args, args.seed * 100003 + step * world + rank, rollout_kwargs,
+                                      solved={t.qid for t in trajectories if t.reward >= 1.0})  # --oracle_per_group
         t_rollout = time.time() - t0
 
-        # --- rewards -> group advantages -> one advantage per conversation (A_ij = A_i) -------
-        advantages = grpo.group_advantages([t.reward for t in trajectories], [t.qid for t in trajectories])
-        conversations = [c for t in trajectories for c in t.conversations]
-        owner = [i for i, t in enumerate(trajectories) for _ in t.conversations]
+        # --- rewards (+ evidence credit) -> group advantages over G sampled + K oracle trajectories
+        # -> one advantage per conversation (A_ij = A_i); --skip_equal_groups drops zero-signal groups
+        position = {str(q["id"]): k for k, q in enumerate(mine)}
+        group = sorted(trajectories + experts, key=lambda t: position[t.qid])  # a group's samples, then its oracle
+        oracle_made = {id(t) for t in experts}
+        supporting = {str(q["id"]): (q.get("metadata") or {}).get("supporting_ids") for q in mine}
+        evidence = [agent.evidence_share(t, supporting[t.qid]) for t in group]
+        rewards = [(1 - args.evidence_weight) * t.reward + args.evidence_weight * e
+                   if args.evidence_weight > 0 and supporting[t.qid] else t.reward for t, e in zip(group, evidence)]
+        advantages = grpo.group_advantages(rewards, [t.qid for t in group])
+        tied = {t.qid for t in group} - {t.qid for t, a in zip(group, advantages) if a != 0}
+        kept = [i for i, t in enumerate(group) if not (args.skip_equal_groups and t.qid in tied)]
+        conversations = [c for i in kept for c in group[i].conversations]
+        owner = [i for i in kept for _ in group[i].conversations]
         conversation_advantages = grpo.propagate_advantages(advantages, owner)
 
         # --- old log-probs (policy, before any update) and reference log-probs ----------------
         t0 = time.time()
         with accelerator.autocast():  # the same precision as the update's forward passes
-            old = ([torch.tensor(c.logprobs) for c in conversations] if recorded_old else
-                   response_logprobs(policy, conversations, pad_id, device, args.micro_batch_size, args.temperature))
+            recorded = [recorded_old and id(group[i]) not in oracle_made for i in owner]  # the oracle's: recomputed
+            recompute = [c for c, r in zip(conversations, recorded) if not r]
+            fresh = iter(response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size, args.temperature)
+                         if recompute else [])
+            old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
             ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
                    if reference is not None else None)
         t_reference = time.time() - t0
@@ -447,10 +563,16 @@ def main(argv=None, generate_fn=agent.generate):
         t0 = time.time()
         model.train()
         n_all = accelerator.reduce(torch.tensor(float(len(conversations)), device=device), "sum").item()
-        n_mini = max(1, math.ceil(n_all / (args.mini_batch_size * args.group_size)))  # the same on every rank
+        n_mini = math.ceil(n_all / (args.mini_batch_size * args.group_size))  # the same on every rank (0: all skipped)
         bounds = [round(m * len(conversations) / n_mini) for m in range(n_mini + 1)]  # this rank's share of each
         sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "ratio": 0.0}
         grad_norms, skipped = [], 0
+        filler = conversations[:1] or group[0].conversations[:1]  # the zero-weight pass of a rank with nothing to train
+        for name in ("old_logprobs", "ref_logprobs", "advantages"):
+            for c in filler:
+                if not hasattr(c, name):
+                    setattr(c, name, [0.0] * len(c.response_ids))
+
         def grpo_loss(logprobs, entropy, f, num_tokens):
             return grpo.policy_loss(logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"],
                                     f["ref_logprobs"] if reference is not None else None, clip_eps=args.clip_eps,
@@ -461,7 +583,7 @@ def main(argv=None, generate_fn=agent.generate):
             for m in range(n_mini):
                 mini = sorted(conversations[bounds[m]:bounds[m + 1]], key=len)  # similar lengths per micro-batch
                 grad_norm, loss, metrics, _ = optimizer_update(
-                    accelerator, model, optimizer, mini, conversations[:1], pad_id, args,
+                    accelerator, model, optimizer, mini, filler, pad_id, args,
                     ("old_logprobs", "ref_logprobs", "advantages"), grpo_loss, temperature=args.temperature)
                 sums["loss"] += loss
                 for key in ("kl", "clip_frac", "entropy", "ratio"):
@@ -475,15 +597,15 @@ def main(argv=None, generate_fn=agent.generate):
         f1 = [agent.f1_score(t.prediction, t.golden_answers) for t in trajectories]
         ctx = [n for t in trajectories for n in t.context_tokens] or [0]
         trained = sum(sum(c.loss_mask) for c in conversations)
-        groups = {}
-        for t in trajectories:
-            groups.setdefault(t.qid, set()).add(t.reward)
-        local = torch.tensor([len(groups), sum(len(r) == 1 for r in groups.values()),
+        sampled = [k for k, t in enumerate(group) if id(t) not in oracle_made]
+        local = torch.tensor([len(position), len(tied), len(group) - len(kept), len(experts),
+            sum(t.reward for t in experts), sum(evidence[k] for k in sampled), sum(rewards[k] for k in sampled),
             len(trajectories), sum(t.reward for t in trajectories), sum(em), sum(f1),
             sum(t.reward > 0 for t in trajectories), sum(t.num_turns for t in trajectories),
             sum(t.num_searches for t in trajectories), len(conversations), sum(ctx), len(ctx), trained,
             sums["loss"], sums["kl"], sums["clip_frac"], sums["entropy"], sums["ratio"]], dtype=torch.float64, device=device)
-        n_groups, equal_groups, *total = accelerator.reduce(local, "sum").tolist()
+        n_groups, equal_groups, skipped_trajectories, n_oracle, oracle_reward, evidence_sum, shaped_sum, *total = \
+            accelerator.reduce(local, "sum").tolist()
         ctx_max = accelerator.reduce(torch.tensor(float(max(ctx)), device=device), "max").item()
         n, tok = total[0], max(total[10], 1)
         peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else
@@ -493,10 +615,11 @@ def main(argv=None, generate_fn=agent.generate):
                "turns": total[5] / n, "searches": total[6] / n, "conversations_per_trajectory": total[7] / n,
                "context_tokens_mean": total[8] / max(total[9], 1), "context_tokens_max": ctx_max, "trained_tokens": total[10],
                "loss": total[11] / world / max(len(grad_norms), 1), "kl": total[12] / tok, "clip_frac": total[13] / tok,
-               "entropy": total[14] / tok, "ratio": total[15] / tok, "grad_norm": sum(grad_norms) / len(grad_norms),
-               "updates": len(grad_norms), "skipped_updates": skipped,
-               "equal_reward_groups": equal_groups / n_groups, "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout,
-               "seconds_reference": t_reference, "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
+               "entropy": total[14] / tok, "ratio": total[15] / tok, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+               "updates": len(grad_norms), "skipped_updates": skipped, "evidence": evidence_sum / n,
+               "reward_trained": shaped_sum / n, "oracle_trajectories": n_oracle, "oracle_reward": oracle_reward / max(n_oracle, 1),
+               "equal_reward_groups": equal_groups / n_groups, "skipped_trajectories": skipped_trajectories,
+               "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference, "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
         log(row)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:

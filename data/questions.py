@@ -1,7 +1,7 @@
 """Question rows for training and evaluation: FlashRAG jsonl or Search-R1 parquet, one id per row.
 
     from data.questions import load_questions
-    questions = load_questions("data/toy/train.jsonl")   # [{"id", "question", "golden_answers", "dataset"}, ...]
+    questions = load_questions("data/toy/train.jsonl")   # [{"id", "question", "golden_answers", "dataset"[, "metadata"]}, ...]
 
 The id keys a GRPO group (the G rollouts of one row) and evaluation's resume, so it must be unique.
 """
@@ -46,6 +46,8 @@ def load_questions(path: str) -> list[dict]:
         given = row.get("id")
         questions.append({"id": None if given is None else str(given), "question": question.strip(),
                           "golden_answers": list(golds), "dataset": source, "row": k})
+        if isinstance(row.get("metadata"), dict):  # toy worlds: type, reasoning chain, supporting passage ids
+            questions[-1]["metadata"] = row["metadata"]
     seen = Counter(q["id"] for q in questions)
     for q in questions:  # the GRPO group key and evaluation's resume key: unique per row
         if q["id"] is None or seen[q["id"]] > 1:  # e.g. Search-R1's parquet: NQ and HotpotQA both start at train_0

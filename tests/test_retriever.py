@@ -493,3 +493,12 @@ def test_default_retriever_resolves_builds_and_finds_supporting_passages():
     found = [bool(set(row["metadata"]["supporting_ids"]) & {h.id for h in hits})
              for row, hits in zip(single, r.search([row["question"] for row in single], 5))]
     assert sum(found) / len(found) >= 0.8  # the toy questions are answerable by search
+
+
+def test_results_carry_their_passage_ids(small_corpus, tiny_encoder_dir):
+    """The search tool's text is what the model reads; `.ids` says which corpus passages it holds."""
+    search = R.open_retriever(corpus=small_corpus, encoder=tiny_encoder_dir, doc_format="release")
+    (docs,) = search(["a river"], 3)
+    hits = search.search(["a river"], 3)[0]
+    assert isinstance(docs, str) and docs.ids == tuple(h.id for h in hits) and len(docs.ids) == 3
+    assert docs == R.render_docs(hits, "release")

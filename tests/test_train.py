@@ -3,6 +3,7 @@ runs (torchrun, gloo) under DDP and FSDP."""
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import agent
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +32,7 @@ def yes_questions(tmp_path_factory):
 def base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **extra):
     args = dict(model=tiny_lm_dir, corpus=small_corpus, encoder=tiny_encoder_dir, output_dir=str(out), preset="toy",
                 batch_size=2, group_size=2, mini_batch_size=1, micro_batch_size=2, max_new_tokens=12, max_turns=2,
-                lr=1e-3, save_every=1, warm_start_steps=0, old_logprobs="recompute")
+                lr=1e-3, save_every=1, warm_start_steps=0, old_logprobs="recompute", mixed_precision="no")
     args.update(extra)
     argv = []
     for k, v in args.items():
@@ -125,7 +127,7 @@ def test_bf16_autocast_keeps_float32_master_weights(tiny_lm_dir, small_corpus, t
     from accelerate.state import AcceleratorState
     from scripted_policy import scripted_generate  # answers yes/no at random: non-zero advantages
 
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # as `accelerate launch --mixed_precision bf16` sets it
     precisions, token_logprobs = [], train.grpo.token_logprobs
 
     def recording(model, *args, **kwargs):  # old, reference and update forward passes
@@ -135,7 +137,7 @@ def test_bf16_autocast_keeps_float32_master_weights(tiny_lm_dir, small_corpus, t
     AcceleratorState._reset_state(reset_partial_state=True)  # the precision is fixed per process otherwise
     try:
         model = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, batch_size=4,
-                                     mini_batch_size=4, train_data=yes_questions, weight_decay=0.0),
+                                     mini_batch_size=4, train_data=yes_questions, weight_decay=0.0, mixed_precision="auto"),
                            generate_fn=scripted_generate)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -372,3 +374,224 @@ def test_warm_start_on_two_processes_equals_one(tiny_lm_dir, demo_world, tmp_pat
     for k in one:  # AdamW divides each gradient by its own scale, so where a gradient is near zero the
         # order of a float32 sum shows as up to ~0.1% of one 1e-3 step: allow 1% of a step
         torch.testing.assert_close(r0["params"][k], one[k], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The small-budget recipe: oracle in the group, evidence credit, skipped groups, bf16, warm-start resume
+# ---------------------------------------------------------------------------------------------
+def recording_advantages(monkeypatch):
+    calls = []
+    original = train.grpo.group_advantages
+    monkeypatch.setattr(train.grpo, "group_advantages", lambda rewards, ids: calls.append(
+        (list(rewards), list(ids), original(rewards, ids))) or calls[-1][2])
+    return calls
+
+
+def answering(answer):
+    """A policy that answers at once, `answer(question)` in \\boxed{}."""
+    def generate(model, tokenizer, prompts, **sampling):
+        outs = []
+        for p in prompts:
+            question = re.search(r"<question> (.*?) </question>", tokenizer.decode(p), re.S).group(1)
+            ids = agent.encode(tokenizer, "</think>\n\\boxed{%s}" % answer(question))
+            ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
+        return outs
+    return generate
+
+
+def test_oracle_trajectories_join_each_group(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
+    """G 2 sampled answers `yes` (well-formed, wrong: reward 0.1) + K 1 oracle (reward 1) per group:
+    rewards [0.1, 0.1, 1] -> mean 0.4, unbiased std sqrt((0.09 + 0.09 + 0.36) / 2) = 0.5196
+    -> advantages [-0.5774, -0.5774, 1.1547]. The metrics keep the samples apart from the oracle."""
+    calls = recording_advantages(monkeypatch)
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_steps=0, max_steps=1, batch_size=2,
+                         group_size=2, mini_batch_size=2, max_turns=3, oracle_per_group=1),
+               generate_fn=answering(lambda question: "yes"))
+    (rewards, ids, advantages), = calls
+    assert len(set(ids)) == 2 and all(ids.count(q) == 3 for q in ids)
+    for q in set(ids):
+        members = [k for k, i in enumerate(ids) if i == q]
+        assert [rewards[k] for k in members] == pytest.approx([0.1, 0.1, 1.0])
+        assert advantages[members].tolist() == pytest.approx([-0.57735, -0.57735, 1.1547], abs=1e-4)
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["reward"] == pytest.approx(0.1) and row["oracle_trajectories"] == 2 and row["oracle_reward"] == 1.0
+    assert row["equal_reward_groups"] == 0 and row["skipped_trajectories"] == 0
+
+
+def test_oracle_only_where_unsolved(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
+    """--oracle_when_unsolved: a group with a sampled reward of 1 gets no oracle trajectory."""
+    rows = [json.loads(line) for line in open(demo_world / "train.jsonl")][:2]
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = rows[0]["question"]
+    calls = recording_advantages(monkeypatch)
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_steps=0, max_steps=1, batch_size=2, group_size=2,
+                         mini_batch_size=2, max_turns=3, oracle_per_group=2, oracle_when_unsolved=True,
+                         train_data=tmp_path / "two.jsonl"),
+               generate_fn=answering(lambda q: rows[0]["golden_answers"][0] if q == first else "nothing"))
+    (rewards, ids, _), = calls
+    assert sorted(ids.count(q) for q in set(ids)) == [2, 4]  # solved: G 2 only; unsolved: G 2 + K 2
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["oracle_trajectories"] == 2 and row["equal_reward_groups"] == 0.5  # the solved group: 1.0, 1.0
+
+
+def test_oracle_conversations_equal_a_replay_of_its_outputs(tokenizer, demo_world):
+    """The oracle's conversations are what agent.rollout builds from its outputs: replaying the
+    trained spans as a policy's generations gives the same ids and masks, token for token."""
+    import retriever
+    from data import oracle
+
+    rows = oracle.load_rows(demo_world / "train.jsonl")[:3]
+    search = retriever.open_retriever(str(demo_world / "corpus.jsonl"), doc_format="release")
+    args = train.parse_args(["--oracle_per_group", "2", "--max_turns", "3"])
+    experts = train.expert_trajectories(rows, search, tokenizer, args, seed=0, rollout_kwargs={})
+    assert [t.qid for t in experts] == [str(r["id"]) for r in rows for _ in range(2)]
+    assert all(t.reward == 1.0 for t in experts)
+    def replay(trajectory):  # context -> the oracle's generation after it (a run of loss-mask 1s)
+        outputs = {}
+        for c in trajectory.conversations:
+            k = 0
+            while k < len(c.response_ids):
+                end = k
+                while end < len(c.response_ids) and c.loss_mask[end] == c.loss_mask[k]:
+                    end += 1
+                if c.loss_mask[k]:
+                    outputs[tuple(c.prompt_ids + c.response_ids[:k])] = c.response_ids[k:end]
+                k = end
+        return lambda model, tokenizer, prompts, **sampling: [
+            agent.Generation(ids=outputs[tuple(p)], logprobs=[0.0] * len(outputs[tuple(p)]), finished=True) for p in prompts]
+    for k, expert in enumerate(experts):
+        (again,) = agent.rollout(None, tokenizer, rows[k // 2:k // 2 + 1], search, max_turns=3, generate_fn=replay(expert))
+        assert [(c.prompt_ids, c.response_ids, c.loss_mask) for c in expert.conversations] == \
+               [(c.prompt_ids, c.response_ids, c.loss_mask) for c in again.conversations]
+        assert sum(c.loss_mask.count(0) for c in expert.conversations) > 0  # tool turns: not trained
+        assert again.reward == expert.reward
+
+
+def test_evidence_credit_in_the_reward(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
+    """reward = (1 - lambda) released + lambda share of supporting passages retrieved, by hand from
+    each trajectory's retrieved ids; lambda = 0 gives exactly the released reward."""
+    import scripted_policy
+    monkeypatch.setattr(scripted_policy, "RANK", 1)  # searches twice (the question text), then answers
+    rows = {str(r["id"]): r for r in map(json.loads, open(demo_world / "train.jsonl"))}
+    sampled = []
+    rollout = train.agent.rollout
+    monkeypatch.setattr(train.agent, "rollout", lambda *a, **k: sampled.append(rollout(*a, **k)) or sampled[-1])
+    calls = recording_advantages(monkeypatch)
+    for weight in (0.0, 0.5):
+        sampled.clear()
+        train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / str(weight), warm_start_steps=0, max_steps=1, batch_size=2,
+                             group_size=2, mini_batch_size=2, max_turns=3, evidence_weight=weight),
+                   generate_fn=scripted_policy.scripted_generate)
+        (trajectories,) = sampled
+        rewards = calls[-1][0]
+        shares = []
+        for t in trajectories:
+            wanted = set(rows[t.qid]["metadata"]["supporting_ids"])
+            seen = {i for turn in t.turns for ids in turn.get("document_ids", []) for i in ids}
+            assert len(seen) >= 5  # the retriever's ids reached the trajectory
+            shares.append(len(wanted & seen) / len(wanted))
+        expected = [(1 - weight) * t.reward + weight * e if weight else t.reward for t, e in zip(trajectories, shares)]
+        assert rewards == expected
+        row = json.loads(open(tmp_path / str(weight) / "metrics.jsonl").readline())
+        assert row["evidence"] == pytest.approx(sum(shares) / len(shares))
+        assert row["reward"] == pytest.approx(sum(t.reward for t in trajectories) / len(trajectories))
+    assert any(s > 0 for s in shares)  # searching the question's words finds some of its passages
+
+
+def equal_and_mixed(question, calls=[0]):  # noqa: B006 -- a call counter
+    """Questions 0 and 1 are answered `yes` by every trajectory (equal rewards); questions 2 and 3
+    get `yes` and `no` in turn (rewards 1 and 0.1)."""
+    calls[0] += 1
+    return "yes" if int(re.search(r"fact number (\d+)", question).group(1)) < 2 or calls[0] % 2 else "no"
+
+
+def test_skipping_equal_groups_only_changes_the_denominator(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path,
+                                                           monkeypatch):
+    """Without KL and entropy, a group of equal rewards has A = 0 and adds nothing to the gradient
+    but its tokens to the token-mean's denominator: the gradient with it skipped equals the full
+    one times (all trained tokens / kept trained tokens)."""
+    path = tmp_path / "four.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]})
+                            + "\n" for i in range(4)))
+    grads, rows = [], []
+    monkeypatch.setattr(train.torch.optim.AdamW, "step", lambda self, *a, **k: grads.append(
+        [p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None]))
+    for skip in (False, True):
+        out = tmp_path / f"skip{skip}"
+        flags = dict(skip_equal_groups=True) if skip else {}
+        train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=1, batch_size=4, group_size=2,
+                             mini_batch_size=4, train_data=path, kl_coef=0.0, entropy_coef=0.0, grad_clip=1e9, **flags),
+                   generate_fn=answering(equal_and_mixed))
+        rows.append(json.loads(open(out / "metrics.jsonl").readline()))
+    full, skipped = grads
+    assert rows[1]["skipped_trajectories"] == 4 and rows[1]["equal_reward_groups"] == 0.5 and rows[0]["skipped_trajectories"] == 0
+    scale = rows[0]["trained_tokens"] / rows[1]["trained_tokens"]
+    assert scale > 1.5
+    assert any(g.abs().sum() > 0 for g in skipped)
+    for a, b in zip(full, skipped):
+        torch.testing.assert_close(b, a * scale, rtol=1e-4, atol=1e-9)
+
+
+def test_bf16_on_cpu_recomputes_old_logprobs(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path,
+                                              monkeypatch):
+    """--mixed_precision bf16 with --old_logprobs recorded: the recorded float32 log-probs are not
+    the update's precision, so the old log-probs are recomputed under the same bf16 autocast."""
+    from accelerate.state import AcceleratorState
+    from scripted_policy import scripted_generate
+
+    passes = []
+    response_logprobs = train.response_logprobs
+    monkeypatch.setattr(train, "response_logprobs", lambda model, conversations, *a: passes.append(
+        torch.is_autocast_enabled("cpu")) or response_logprobs(model, conversations, *a))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        model = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, batch_size=4,
+                                     mini_batch_size=4, train_data=yes_questions, kl_coef=0.0, old_logprobs="recorded",
+                                     mixed_precision="bf16"), generate_fn=scripted_generate)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert passes == [True]  # one pass, the old log-probs (no reference with kl_coef 0), under autocast
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert json.loads(open(tmp_path / "metrics.jsonl").readline())["ratio"] == pytest.approx(1.0, abs=1e-2)
+
+
+def test_mixed_precision_auto(tmp_path, monkeypatch):
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    plain.write_text("flags\t\t: fpu avx2\n")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what `accelerate launch` sets by default
+    assert train.resolve_precision("auto", str(amx)) == ("no" if torch.cuda.is_available() else "bf16")
+    assert train.resolve_precision("auto", str(plain)) == "no"
+    assert train.resolve_precision("no", str(amx)) == "no"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # `accelerate launch --mixed_precision bf16`
+    assert train.resolve_precision("auto", str(plain)) == "bf16"
+    with pytest.raises(SystemExit, match="--mixed_precision must be auto, no, bf16 or fp16"):
+        train.resolve_precision("half")
+
+
+def test_an_interrupted_warm_start_resumes_exactly(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
+    """Killed during warm-start step 4 of 5 (state saved every 2 steps): --resume continues from
+    step 2, ends with the straight run's weights bit for bit, and logs each step once."""
+    common = dict(warm_start_steps=5, warm_start_save_every=2)
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "straight", **common))
+    update, calls = train.optimizer_update, []
+
+    def dies_at_step_4(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return update(*a, **k)
+    monkeypatch.setattr(train, "optimizer_update", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", **common))
+    monkeypatch.setattr(train, "optimizer_update", update)
+    assert json.load(open(tmp_path / "resumed" / "warm_start_partial" / "trainer_state.json"))["step"] == 2
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", resume=True, **common))
+    a, b = state(tmp_path / "straight" / "warm_start"), state(tmp_path / "resumed" / "warm_start")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    straight = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in straight]
+    assert not (tmp_path / "resumed" / "warm_start_partial").exists()
