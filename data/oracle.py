@@ -287,6 +287,29 @@ def make_demonstrations(questions: list[dict], search, tokenizer, *, max_turns: 
     return kept, stats
 
 
+def group_experts(rows: list[dict], search, tokenizer, k: int, *, max_turns: int, seed: int,
+                  **rollout_kwargs) -> list[agent.Trajectory]:
+    """Expert bootstrapping for GRPO (train.py --oracle_per_group K; David-GRPO's expert trajectories,
+    LUFFY's off-policy guidance): K oracle trajectories for each row whose question has a reasoning
+    chain, acted out through `agent.rollout` with the same prompts, tool turns and loss masks as the
+    policy's samples. Their qid is the row's, so they join its group and advantages are normalised
+    over all G + K rewards.
+
+    The oracle has no log-probs of its own, so the trainer recomputes their old log-probs under the
+    current policy: for an oracle token the update starts from
+
+        r_t = pi_theta(x_t) / sg(pi_theta(x_t)) = 1,     grad = -A_i grad log pi_theta(x_t) / N,
+
+    an advantage-weighted likelihood step, clipped like any other token in later mini-batches of
+    the step. There is no importance correction for the oracle being the behaviour policy (LUFFY's
+    policy shaping would reweight low-probability tokens instead)."""
+    rows = [r for r in rows if (r.get("metadata") or {}).get("chain")]
+    if not rows or k <= 0:
+        return []
+    return agent.rollout(None, tokenizer, rows, search, group_size=k, max_turns=max_turns,
+                         generate_fn=Oracle(rows, seed=seed), **rollout_kwargs)
+
+
 def main(argv=None):
     import argparse
 

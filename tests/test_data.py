@@ -381,3 +381,26 @@ def test_chain_funnel_counts_each_stage_only_after_the_ones_before():
     assert funnel.funnel({"turns": turns, "em": 1.0}, chain, passages) == [True, True, True, True, False, False, False, True]
     assert funnel.funnel({"turns": turns[:1], "em": 0.0}, chain, passages) == [True, True, True, False, False, False, False, False]
     assert not funnel.contains("Ithstadt", "Ithstad") and funnel.contains("in the ithstad.", "Ithstad")
+
+
+def test_group_experts_join_their_questions_groups_as_replayable_samples(toy, tokenizer):
+    """oracle.group_experts (train.py --oracle_per_group K): K trajectories per row with a chain, keyed
+    by the row's id (its GRPO group), none for a row without one; each replays through agent.rollout
+    to the same ids and masks, as a policy's sample would."""
+    import agent
+    from data import oracle
+
+    rows = some_rows(toy["train"], per_type=1)
+    plain = {"id": "no-chain", "question": "Is it?", "golden_answers": ["yes"]}
+    experts = oracle.group_experts(rows + [plain], fake_search(toy["corpus"]), tokenizer, 2, max_turns=3, seed=0)
+    assert [t.qid for t in experts] == [str(r["id"]) for r in rows for _ in range(2)]
+    assert all(t.reward == 1.0 for t in experts)
+    for k, expert in enumerate(experts):
+        queue = [span for c in expert.conversations for span in sampled_spans(c)]
+
+        def replay(model, tok, prompts, **sampling):
+            return [agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True) for ids in (queue.pop(0) for _ in prompts)]
+        (again,) = agent.rollout(None, tokenizer, [rows[k // 2]], fake_search(toy["corpus"]), max_turns=3, generate_fn=replay)
+        assert not queue and again.reward == 1.0
+        assert [(c.prompt_ids, c.response_ids, c.loss_mask) for c in again.conversations] == \
+               [(c.prompt_ids, c.response_ids, c.loss_mask) for c in expert.conversations]
