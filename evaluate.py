@@ -125,7 +125,9 @@ def record(q: dict, t: agent.Trajectory, seconds: float, peak_memory: int | None
             "em": agent.exact_match(t.prediction, q["golden_answers"]), "f1": agent.f1_score(t.prediction, q["golden_answers"]),
             "acc": cover_match(t.prediction, q["golden_answers"]), "reward": t.reward, "end_reason": t.end_reason,
             "num_turns": t.num_turns, "num_searches": t.num_searches, "context_tokens": t.context_tokens,
-            "memory": t.memory, "turns": t.turns, "seconds": seconds, "peak_memory_bytes": peak_memory, "run": run}
+            "memory": t.memory, "turns": t.turns, "seconds": seconds, "peak_memory_bytes": peak_memory, "run": run,
+            "evidence": agent.evidence_share(t, supporting) if (supporting := (q.get("metadata") or {}).get("supporting_ids"))
+            else None}  # share of the question's supporting passages retrieved (toy worlds carry their ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +269,9 @@ def summarize(records: list[dict]) -> dict:
             "total_context_tokens": mean([sum(c) for c in contexts]),  # per question: all its turns' contexts
             "seconds_per_question": mean([r["seconds"] for r in records]),
             "peak_memory_gb": max(memory) / 2**30 if memory else None,
-            "end_reasons": dict(Counter(r["end_reason"] for r in records))}
+            "end_reasons": dict(Counter(r["end_reason"] for r in records)),
+            "evidence_recall": mean(evidence) if (evidence := [r["evidence"] for r in records if r.get("evidence") is not None])
+            else None}
 
 
 def aggregate(records: list[dict], names: list[str]) -> tuple[dict, dict]:
@@ -283,6 +287,7 @@ def aggregate(records: list[dict], names: list[str]) -> tuple[dict, dict]:
 # ---------------------------------------------------------------------------------------------
 ROWS = [("EM", "em", "{:.3f}"), ("F1", "f1", "{:.3f}"), ("acc", "acc", "{:.3f}"), ("format-valid", "format_valid", "{:.3f}"),
         ("turns / question", "turns", "{:.2f}"), ("searches / question", "searches", "{:.2f}"),
+        ("evidence recall", "evidence_recall", "{:.3f}"),
         ("context tokens / turn", "context_tokens_mean", "{:.0f}"),
         ("peak context tokens / question", "peak_context_tokens", "{:.0f}"),
         ("seconds / question", "seconds_per_question", "{:.2f}"), ("peak memory GB", "peak_memory_gb", "{:.2f}"),

@@ -91,7 +91,8 @@ HYPERPARAMETERS = [
     ("save_every", 2, 20, "checkpoint every N steps (and at the end)"),
     ("keep_checkpoints", 2, 3, "how many newest checkpoints to keep"),
     ("resume", False, False, "continue from the newest checkpoint in output_dir"),
-    ("gradient_checkpointing", False, True, "recompute activations in the update to save memory"),
+    ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (toy: peak 6.6 -> 5.0 GB, "
+     "update +8%, README)"),
     ("samples_per_step", 2, 4, "trajectories per step written to samples.jsonl"),
     ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
     ("seed", 0, 0, "data order, sampling (offset per rank and step), initialisation"),
@@ -574,7 +575,8 @@ def main(argv=None, generate_fn=agent.generate):
         def grpo_loss(logprobs, entropy, f, num_tokens):
             return grpo.policy_loss(logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"],
                                     f["ref_logprobs"] if reference is not None else None, clip_eps=args.clip_eps,
-                                    clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef, entropy=entropy,
+                                    clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef,
+                                    entropy=entropy if args.entropy_coef else entropy.detach(),  # logged; no backward
                                     entropy_coef=args.entropy_coef, num_tokens=num_tokens)
 
         for epoch in range(args.ppo_epochs):

@@ -68,6 +68,24 @@ def print_table(rows, window):
     return rewards, smooth
 
 
+def describe_run(folder, warm, rows):
+    """What was run, for the plot's title: the policy, the batch and the recipe, read from the newest
+    checkpoint's trainer_state.json (or warm_start/'s) beside metrics.jsonl."""
+    states = sorted((os.path.join(root, "trainer_state.json") for root, _, files in os.walk(folder)
+                     if "trainer_state.json" in files), key=os.path.getmtime)
+    if not states:
+        return f"{len(warm)} warm-start steps, {len(rows)} GRPO steps"
+    a = json.load(open(states[-1]))["args"]
+    model = "SmolLM2-135M" if a.get("model") == "default" else os.path.basename(str(a.get("model")))
+    recipe = [name for name, on in (("oracle" + (" when unsolved" if a.get("oracle_when_unsolved") else ""),
+                                     a.get("oracle_per_group")),
+                                    (f"evidence {a.get('evidence_weight')}", a.get("evidence_weight")),
+                                    ("equal groups skipped", a.get("skip_equal_groups")),
+                                    (f"KL {a.get('kl_coef')}", a.get("kl_coef"))) if on]
+    return (f"{model}: {len(warm)} warm-start steps, then GRPO {len(rows)} steps x {a.get('batch_size')} questions x "
+            f"G {a.get('group_size')}" + (f"\n({', '.join(recipe)})" if recipe else " (released recipe)"))
+
+
 def plot(warm, rows, rewards, smooth, window, path, title):
     try:
         import matplotlib
@@ -76,6 +94,7 @@ def plot(warm, rows, rewards, smooth, window, path, title):
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [p for p in (warm, rows) if p]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
@@ -83,6 +102,7 @@ def plot(warm, rows, rewards, smooth, window, path, title):
         ax = axes[0][0]
         ax.plot([r["step"] for r in warm], [r["loss"] for r in warm], marker=".", color="tab:gray")
         ax.set_xlabel("warm-start step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("NLL of demonstrations (trained tokens)")
         ax.set_title("1. warm start")
     if rows:
@@ -90,8 +110,11 @@ def plot(warm, rows, rewards, smooth, window, path, title):
         steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
         ax.plot(steps, rewards, marker=".", alpha=0.5, label="reward (per step)")
         ax.plot(steps, smooth, label=f"moving average ({window} steps)")
+        if any("evidence" in r for r in rows):
+            ax.plot(steps, [r.get("evidence", float("nan")) for r in rows], linestyle="--", label="evidence share retrieved")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("GRPO step")
-        ax.set_ylabel("mean training reward")
+        ax.set_ylabel("sampled trajectories' answer reward")
         ax.set_ylim(-0.02, 1.02)  # the reward's whole range: no zooming into noise
         ax.set_title(("2. " if warm else "") + "GRPO")
         ax.legend()
@@ -106,6 +129,7 @@ def main(argv=None):
     ap.add_argument("metrics", help="a train.py metrics.jsonl")
     ap.add_argument("--out", help="the plot (default: reward.png beside the metrics file)")
     ap.add_argument("--window", type=int, default=5, help="moving-average window in steps")
+    ap.add_argument("--title", help="the plot's title (default: what was run, from the run's newest trainer_state.json)")
     args = ap.parse_args(argv)
     rows, skipped = read_rows(args.metrics)
     if skipped:
@@ -118,7 +142,7 @@ def main(argv=None):
         print_warm_start(warm)
     rewards, smooth = print_table(rows, max(1, args.window)) if rows else ([], [])
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics)), "reward.png")
-    title = os.path.basename(os.path.dirname(os.path.abspath(args.metrics))) or "training"
+    title = args.title or describe_run(os.path.dirname(os.path.abspath(args.metrics)), warm, rows)
     plot(warm, rows, rewards, smooth, max(1, args.window), out, title)
 
 

@@ -60,7 +60,8 @@ def main():
              ("update", lambda r: r["seconds_update"]),
              ("step", lambda r: r["seconds_rollout"] + r["seconds_reference"] + r["seconds_update"]),
              ("peak memory GB", lambda r: r["peak_memory_gb"]),
-             ("trajectories trained", lambda r: r.get("trajectories_trained", float("nan"))),
+             ("oracle trajectories", lambda r: r["oracle_trajectories"]),
+             ("trajectories skipped", lambda r: r["skipped_trajectories"]),
              ("trained tokens", lambda r: r["trained_tokens"]),
              ("sampled reward", lambda r: r["reward"]), ("equal-reward groups", lambda r: r["equal_reward_groups"])]
     print(f"{cpu_name()}, {args.threads} threads; {args.steps} step(s) from {args.model}, seed {args.seed}; mean per step")

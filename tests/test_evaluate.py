@@ -18,10 +18,10 @@ import evaluate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_FIELDS = {"dataset", "id", "index", "question", "golden_answers", "prediction", "em", "f1", "acc", "reward",
                  "end_reason", "num_turns", "num_searches", "context_tokens", "memory", "turns", "seconds",
-                 "peak_memory_bytes", "run"}
+                 "peak_memory_bytes", "run", "evidence"}
 METRIC_FIELDS = {"n", "em", "f1", "acc", "turns", "searches", "context_tokens_mean", "context_tokens_max",
                  "context_tokens_per_turn", "peak_context_tokens", "total_context_tokens", "seconds_per_question",
-                 "peak_memory_gb", "end_reasons", "format_valid", "interval"}
+                 "peak_memory_gb", "end_reasons", "format_valid", "interval", "evidence_recall"}
 TIMING = {"seconds", "peak_memory_bytes", "seconds_per_question", "peak_memory_gb"}
 
 # Two small datasets; per question: (searches before answering, the boxed answer)
@@ -326,3 +326,17 @@ def test_bootstrap_interval_by_hand():
     lo4, hi4 = evaluate.bootstrap_interval([1.0] * 80 + [0.0] * 80)
     assert hi4 - lo4 < 0.6 * (hi - lo)  # 4x the questions: about half the width
     assert evaluate.bootstrap_interval([1.0, 0.0, 1.0]) == evaluate.bootstrap_interval([1.0, 0.0, 1.0])  # seeded
+
+
+def test_evidence_recall_by_hand():
+    """A record's evidence is the share of its question's supporting passages retrieved (None for a
+    question without supporting ids); evidence_recall averages the questions that have one."""
+    q = {"dataset": "toy", "id": "1", "index": 0, "question": "?", "golden_answers": ["a"],
+         "metadata": {"supporting_ids": ["5", "9"]}}
+    t = agent.Trajectory(qid="1", question="?", golden_answers=["a"], num_turns=1, context_tokens=[10])
+    t.turns = [{"document_ids": [["9", "1"]]}]
+    with_ids = evaluate.record(q, t, 1.0, None, {})
+    without = evaluate.record({k: v for k, v in q.items() if k != "metadata"}, t, 1.0, None, {})
+    assert with_ids["evidence"] == 0.5 and without["evidence"] is None
+    assert evaluate.summarize([with_ids, without, dict(with_ids, evidence=1.0)])["evidence_recall"] == 0.75
+    assert evaluate.summarize([without])["evidence_recall"] is None

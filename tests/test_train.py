@@ -34,7 +34,7 @@ def base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **extra):
                 batch_size=2, group_size=2, mini_batch_size=1, micro_batch_size=2, max_new_tokens=12, max_turns=2,
                 lr=1e-3, save_every=1, warm_start_steps=0, old_logprobs="recompute", mixed_precision="no",
                 kl_coef=0.001, oracle_per_group=0, no_oracle_when_unsolved=True, evidence_weight=0.0,
-                no_skip_equal_groups=True)  # the released recipe; tests of the small-budget one turn it on
+                no_skip_equal_groups=True, no_gradient_checkpointing=True)  # the released recipe; tests of the small-budget one turn it on
     args.update(extra)
     argv = []
     for k, v in args.items():
