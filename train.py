@@ -208,7 +208,7 @@ def response_logprobs(model, conversations, pad_id, device, micro_batch_size, te
 
 
 def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args, fields, loss_fn,
-                     temperature=1.0, return_entropy=True):
+                     temperature=1.0, return_entropy=True, autocast=True):
     """One optimizer update over `mini` (this rank's conversations), accumulated over micro-batches.
     Every rank runs the same number of passes (a missing one weighs zero), and every trained token
     weighs the same wherever it lands: `loss_fn(logprobs, entropy, f, num_tokens)` divides by
@@ -226,7 +226,7 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
         ids, attn, start, f = pad_batch(micro or fallback, pad_id, device, ("loss_mask",) + fields)
         f["loss_mask"] = f["loss_mask"] * weight
         sync = accelerator.no_sync(model) if u < n_micro - 1 else contextlib.nullcontext()
-        with sync, accelerator.autocast():  # gradients are all-reduced on the last pass only
+        with sync, accelerator.autocast() if autocast else contextlib.nullcontext():  # grads all-reduced on the last pass
             out = grpo.token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy)
             logprobs, entropy = out if return_entropy else (out, None)
             loss, metrics = loss_fn(logprobs, entropy, f, max(global_tokens, 1.0) / accelerator.num_processes)
@@ -279,9 +279,10 @@ def demonstrations(args, search, tokenizer, rollout_kwargs):
 def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0, save=lambda step: None):
     """--warm_start_steps supervised steps: the token-mean negative log-likelihood over exactly the
     loss mask RL trains, on --warm_start_batch demonstration conversations a step (split over ranks),
-    through the same micro-batched update as GRPO. The batches are a function of (seed, step), so a
-    run resumed at `start` (weights and optimizer restored) continues exactly; `save(step)` runs
-    every --warm_start_save_every steps."""
+    through the same micro-batched update as GRPO, in float32 whatever --mixed_precision says (every
+    warm start judged on validation was; a bf16 one is another policy). The batches are a function
+    of (seed, step), so a run resumed at `start` (weights and optimizer restored) continues exactly;
+    `save(step)` runs every --warm_start_save_every steps."""
     rank, world = accelerator.process_index, accelerator.num_processes
     order, epoch = [], 0
     bar = tqdm(range(start, args.warm_start_steps), initial=start, total=args.warm_start_steps,
@@ -296,7 +297,7 @@ def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0,
         t0 = time.time()
         nll = lambda logprobs, entropy, f, num_tokens: (-(logprobs * f["loss_mask"]).sum() / num_tokens, {})  # noqa: E731
         grad_norm, loss, _, tokens = optimizer_update(accelerator, model, optimizer, mine, demos[:1], pad_id, args, (), nll,
-                                                      return_entropy=False)
+                                                      return_entropy=False, autocast=False)
         local = torch.tensor([loss, tokens, sum(len(c) for c in mine)], dtype=torch.float64, device=accelerator.device)
         loss, tokens, context = accelerator.reduce(local, "sum").tolist()
         seconds = time.time() - t0

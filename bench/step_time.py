@@ -7,10 +7,11 @@ is its own).
 
 Runs `train.py --warm_start_steps 0 --max_steps N --seed S` twice:
   released  float32 without autocast, old log-probs recorded while sampling, KL reference pass
-            (0.001), every group trained, no oracle, no evidence credit (the toy preset before the recipe)
+            (0.001), every group trained, no oracle, no evidence credit, micro-batches of 4 without
+            activation checkpointing (the toy preset before the recipe)
   recipe    the toy preset's defaults (`--mixed_precision auto`: bf16 autocast where the CPU has AMX,
             old log-probs then recomputed; no KL reference; equal-reward groups skipped; the oracle
-            in unsolved groups; evidence credit)
+            in unsolved groups; evidence credit; micro-batches of 1 with activation checkpointing)
 and prints, per configuration and as recipe / released ratios: seconds of rollout, log-prob passes
 (old + reference) and update, the step time, the peak memory of the process (VmHWM), and the
 trajectories and trained tokens the update saw. Rollouts differ between the two (another
@@ -26,7 +27,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RELEASED = ["--mixed_precision", "no", "--old_logprobs", "recorded", "--kl_coef", "0.001", "--no_skip_equal_groups",
-            "--oracle_per_group", "0", "--evidence_weight", "0", "--micro_batch_size", "4"]
+            "--oracle_per_group", "0", "--evidence_weight", "0", "--micro_batch_size", "4", "--no_gradient_checkpointing"]
 
 
 def cpu_name():
