@@ -296,8 +296,9 @@ def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0,
         mine = sorted(batch[rank::world], key=len)
         t0 = time.time()
         nll = lambda logprobs, entropy, f, num_tokens: (-(logprobs * f["loss_mask"]).sum() / num_tokens, {})  # noqa: E731
-        grad_norm, loss, _, tokens = optimizer_update(accelerator, model, optimizer, mine, demos[:1], pad_id, args, (), nll,
-                                                      return_entropy=False, autocast=False)
+        with float32_forward(accelerator, model):
+            grad_norm, loss, _, tokens = optimizer_update(accelerator, model, optimizer, mine, demos[:1], pad_id, args, (),
+                                                          nll, return_entropy=False, autocast=False)
         local = torch.tensor([loss, tokens, sum(len(c) for c in mine)], dtype=torch.float64, device=accelerator.device)
         loss, tokens, context = accelerator.reduce(local, "sum").tolist()
         seconds = time.time() - t0
@@ -306,6 +307,23 @@ def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0,
         bar.set_postfix(nll=f"{loss / world:.3f}")
         if args.warm_start_save_every and (step + 1) % args.warm_start_save_every == 0 and step + 1 < args.warm_start_steps:
             save(step + 1)
+
+
+@contextlib.contextmanager
+def float32_forward(accelerator, model):
+    """The model's plain float32 forward inside: accelerate's prepare() wraps its forward in autocast
+    when mixed precision is on (keeping the plain one as `_original_forward`); this puts the plain
+    one back for the duration (the warm start, which also skips accelerator.autocast())."""
+    inner = accelerator.unwrap_model(model, keep_fp32_wrapper=True)
+    wrapped, plain = inner.__dict__.get("forward"), getattr(inner, "_original_forward", None)
+    if wrapped is None or plain is None or accelerator.mixed_precision == "no":
+        yield
+        return
+    inner.forward = plain
+    try:
+        yield
+    finally:
+        inner.forward = wrapped
 
 
 def trim_logs(output_dir, phase, last_step):
@@ -550,6 +568,8 @@ def main(argv=None, generate_fn=agent.generate):
             fresh = iter(response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size, args.temperature)
                          if recompute else [])
             old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
+            gap = max((float((torch.tensor(c.logprobs) - o).abs().mul(torch.tensor(c.loss_mask)).max()) for i, c, o
+                       in zip(owner, conversations, old) if id(group[i]) not in oracle_made and c.loss_mask), default=0.0)
             ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
                    if reference is not None else None)
         t_reference = time.time() - t0
@@ -620,6 +640,7 @@ def main(argv=None, generate_fn=agent.generate):
                "updates": len(grad_norms), "skipped_updates": skipped, "evidence": evidence_sum / n,
                "reward_trained": shaped_sum / n, "oracle_trajectories": n_oracle, "oracle_reward": oracle_reward / max(n_oracle, 1),
                "equal_reward_groups": equal_groups / n_groups, "skipped_trajectories": skipped_trajectories,
+               "old_logprob_gap": accelerator.reduce(torch.tensor(gap, device=device), "max").item(),
                "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference, "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
         log(row)
         if accelerator.is_main_process:

@@ -35,7 +35,7 @@ def main(argv=None):
     worlds = list(dict.fromkeys(r[0] for r in rows))
     policies = list(dict.fromkeys(r[1] for r in rows))
     width = 0.8 / len(policies)
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(worlds) * len(policies) / 2, 3.6))
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.2 + 1.4 * len(worlds) * len(policies)), 3.8))
     for k, policy in enumerate(policies):
         xs, ys, errs = [], [], [[], []]
         for w, world in enumerate(worlds):
@@ -49,7 +49,7 @@ def main(argv=None):
     ax.set_xticks(range(len(worlds)), [f"{w}\n({next(r[4] for r in rows if r[0] == w)} questions)" for w in worlds])
     ax.set_ylabel("F1")
     ax.set_ylim(0, 1)
-    ax.set_title(args.title)
+    ax.set_title(args.title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)

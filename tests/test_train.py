@@ -115,6 +115,7 @@ def test_one_step_changes_parameters_writes_metrics_and_checkpoint(tiny_lm_dir, 
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == 1 and METRICS <= set(rows[0]) and rows[0]["trained_tokens"] > 0
     assert rows[0]["ratio"] == pytest.approx(1.0, abs=1e-5)  # one update: old log-probs = the policy it starts from
+    assert rows[0]["old_logprob_gap"] < 1e-3  # float32: recorded while sampling = recomputed
     samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
     assert samples and {"question", "turns", "reward", "end_reason"} <= set(samples[0])
     after, before = state(tmp_path / "checkpoint-1"), state(tiny_lm_dir)
@@ -564,3 +565,17 @@ def test_an_interrupted_warm_start_resumes_exactly(tiny_lm_dir, demo_world, tmp_
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["loss"] for r in rows] == [r["loss"] for r in straight]
     assert not (tmp_path / "resumed" / "warm_start_partial").exists()
+
+
+def test_the_warm_start_stays_float32_under_bf16(tiny_lm_dir, demo_world, tmp_path):
+    """--mixed_precision bf16 autocasts GRPO, not the warm start: its weights equal a float32 run's."""
+    from accelerate.state import AcceleratorState
+
+    for precision in ("no", "bf16"):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        try:
+            train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / precision, warm_start_steps=2, mixed_precision=precision))
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+    a, b = state(tmp_path / "no" / "warm_start"), state(tmp_path / "bf16" / "warm_start")
+    assert all(torch.equal(a[k], b[k]) for k in a)
