@@ -44,7 +44,8 @@ HYPERPARAMETERS = [
     ("batch_size", 4, 256, "questions per step, over all ranks; paper: 256"),
     ("group_size", 4, 5, "G, trajectories per question; paper: 5"),
     ("mini_batch_size", 4, 128, "optimizer updates see mini_batch_size x G conversations each, in rollout order; paper: 128 (x 5 = 640)"),
-    ("micro_batch_size", 1, 4, "conversations per forward/backward (memory knob, not math; toy: 1 keeps a step's peak under 6 GB)"),
+    ("micro_batch_size", 1, 4, "conversations per forward/backward (memory knob, not math; toy: 1, with checkpointing "
+     "a step peaks at 5-6.6 GB, README)"),
     ("ppo_epochs", 1, 1, "passes over a step's conversations; paper: 1"),
     ("warm_start_steps", 30, 0, "supervised steps on oracle demonstrations before GRPO (DESIGN §9; toy: ~half an epoch, ~10 min); paper: 0"),
     ("warm_start_questions", 100, 0, "train questions the oracle acts out for the warm start (toy: ~250 conversations, 30 steps see half)"),
@@ -641,7 +642,8 @@ def main(argv=None, generate_fn=agent.generate):
                "reward_trained": shaped_sum / n, "oracle_trajectories": n_oracle, "oracle_reward": oracle_reward / max(n_oracle, 1),
                "equal_reward_groups": equal_groups / n_groups, "skipped_trajectories": skipped_trajectories,
                "old_logprob_gap": accelerator.reduce(torch.tensor(gap, device=device), "max").item(),
-               "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference, "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
+               "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference,
+               "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
         log(row)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:
