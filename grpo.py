@@ -8,14 +8,18 @@ per-token PPO objective with its own loss mask.
 
     1. group_advantages      A_i  = (R_i - mean(R_group)) / (std(R_group) + eps)
     2. propagate_advantages  A_ij = A_i
-    3. token_logprobs        log pi(x_t | x_<t), memory-lean (never a float32 [B, L, V] copy)
+    3. token_logprobs        log pi(x_t | x_<t), memory-lean (never a float32 [B, L, V] copy),
+                             optionally after a shared prefix encoded once (prefix_states)
     4. policy_loss           clipped surrogate (dual clip) + kl_coef * KL(k3) - entropy bonus
 
-Pure tensor math: this file imports torch and the standard library only.
+Pure tensor math: this file imports torch and the standard library only (and, lazily, the cache
+class of transformers for the shared prefix).
 """
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -125,8 +129,70 @@ def _row_chunks(logits: torch.Tensor):
     return (slice(i, i + step) for i in range(0, logits.shape[0], step))
 
 
+# ---------------------------------------------------------------------------------------------
+# 3b. A shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
+# ---------------------------------------------------------------------------------------------
+def prefix_states(model, prefix_ids):
+    """Run a token prefix shared by a batch's rows once (batch 1) and return its keys and values,
+    one (keys [1, heads, P, head_dim], values) pair per layer, with their graph when grad is on.
+
+    Each row then attends to these instead of to its own copy (`token_logprobs(prefix=...)`).
+    Why it is exact: in a causal model the prefix's keys and values depend on the prefix alone,
+    so they are the same in every row; giving every row a view of one copy changes the order of
+    float additions only, and in backward the view's gradients sum into the one prefix computation,
+    which is what each row's copy would have received. Activation checkpointing is off for this
+    short batch-1 pass (a checkpointed layer drops the cache it would write)."""
+    prefix_ids = torch.as_tensor(prefix_ids, device=_device(model)).view(1, -1)
+    with _layer_flags(model, gradient_checkpointing=False):
+        out = model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _prefix_cache(states, batch: int):
+    """A read-only cache holding `states` expanded (a view) to `batch` rows: each layer returns
+    [prefix; new] and stores nothing, so a checkpointed layer may recompute against it."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class ReadOnlyLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+    cache = DynamicCache()
+    cache.layers = []
+    for keys, values in states:
+        layer = ReadOnlyLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
+        cache.layers.append(layer)
+    return cache
+
+
+@contextmanager
+def _layer_flags(model, **flags):
+    """Set attributes on every submodule that has them (e.g. a decoder layer's checkpointing), then restore."""
+    saved = [(m, k, getattr(m, k)) for m in model.modules() for k in flags if hasattr(m, k)]
+    for m, k, _ in saved:
+        setattr(m, k, flags[k])
+    try:
+        yield
+    finally:
+        for m, k, v in reversed(saved):
+            setattr(m, k, v)
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 calls the model's cache argument `cache`, earlier versions `past_key_values`."""
+    forward = getattr(model, "module", model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *,
-                   response_start: int | None = None, return_entropy: bool = False):
+                   response_start: int | None = None, return_entropy: bool = False, prefix=None):
     """Log-probability of each token under the policy pi at sampling temperature T:
 
         out[:, t] = log pi(x_t | x_<t) = log softmax(z_{t-1} / T)[x_t]      (t >= 1)
@@ -143,6 +209,12 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *
     chunk of rows is upcast at a time, forward and backward, and the backward writes the logits'
     gradient into the logits' own memory (so backward through an output once only). Outputs are
     float32 (float64 for a float64 model).
+
+    `prefix`: the `prefix_states` of P tokens that precede every row; `input_ids` then holds only
+    what follows them (left padding sits between the prefix and each row's tokens, masked), the
+    positions continue at P, and the output is aligned with `input_ids` as above. A row's first
+    token after the prefix is scored from padding (like a row's first token without one), so keep
+    at least one prompt token in every row.
     """
     B, L = input_ids.shape
     start = 1 if response_start is None else max(1, int(response_start))
@@ -151,8 +223,16 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *
     keep = L - start + 1  # logits at positions start-1 .. L-1 (the last one scores nothing)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     extra = {"logits_to_keep": keep} if start > 1 else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   use_cache=False, **extra).logits
+    flags = {}
+    if prefix is not None:
+        p = prefix[0][0].shape[-2]
+        attention_mask = torch.cat([attention_mask.new_ones(B, p), attention_mask], 1)
+        position_ids = position_ids + p
+        extra[_cache_kwarg(model)] = _prefix_cache(prefix, B)
+        flags = {"_can_checkpoint_with_cache": True}  # the cache is read-only: a recompute reads the same states
+    with _layer_flags(model, **flags):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False, **extra).logits
     if logits.shape[1] != keep:  # a model that ignores logits_to_keep (slicing would copy grads)
         logits = logits[:, -keep:]
     targets = F.pad(input_ids[:, start:], (0, 1))  # a dummy target for the unused last position

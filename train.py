@@ -92,6 +92,8 @@ HYPERPARAMETERS = [
     ("save_every", 2, 20, "checkpoint every N steps (and at the end)"),
     ("keep_checkpoints", 2, 3, "how many newest checkpoints to keep"),
     ("resume", False, False, "continue from the newest checkpoint in output_dir"),
+    ("shared_prefix", True, True, "encode the token prefix the conversations share (the system prompt) once per "
+     "log-prob pass and per update, not once per conversation (exact; README)"),
     ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (toy: peak 6.6 -> 5.0 GB, "
      "update +8%, README)"),
     ("samples_per_step", 2, 4, "trajectories per step written to samples.jsonl"),
@@ -176,10 +178,11 @@ def check_config(args, world_size, distributed_type=None):
 # ---------------------------------------------------------------------------------------------
 # 3. Helpers: padding conversations into micro-batches, log-probs, checkpoints
 # ---------------------------------------------------------------------------------------------
-def pad_batch(conversations, pad_id, device, fields=()):
-    """Left-pad prompt+response; returns input_ids, attention_mask, response_start, and each
-    per-response-token field (e.g. loss_mask, old logprobs) right-aligned to [B, L]."""
-    seqs = [c.prompt_ids + c.response_ids for c in conversations]
+def pad_batch(conversations, pad_id, device, fields=(), skip=0):
+    """Left-pad prompt+response (less its first `skip` tokens, a shared prefix); returns input_ids,
+    attention_mask, response_start, and each per-response-token field (e.g. loss_mask, old logprobs)
+    right-aligned to [B, L]."""
+    seqs = [(c.prompt_ids + c.response_ids)[skip:] for c in conversations]
     width = max(map(len, seqs))
     response_start = width - max(len(c.response_ids) for c in conversations)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -193,16 +196,45 @@ def pad_batch(conversations, pad_id, device, fields=()):
     return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
 
 
+def common_prefix(conversations) -> int:
+    """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
+    least the system prompt), kept one short of the shortest prompt so that each row scores its
+    first response token from a token of its own."""
+    prompts = [c.prompt_ids for c in conversations]
+    n = min(map(len, prompts)) - 1
+    return next((k for k in range(n) if any(p[k] != prompts[0][k] for p in prompts)), max(n, 0))
+
+
+ENCODED_TOKENS = [0]  # token positions run through a model by the log-prob passes (padding and prefixes included)
+
+
+def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefix=(0, None)):
+    """token_logprobs of one micro-batch, after a shared prefix (p tokens, its states) when p > 0."""
+    p, states = prefix
+    ids, attn, start, f = pad_batch(micro, pad_id, device, fields, skip=p)
+    ENCODED_TOKENS[0] += ids.numel()
+    out = grpo.token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy,
+                              prefix=states if p else None)
+    return out, f
+
+
+def encode_prefix(model, conversations, p):
+    ENCODED_TOKENS[0] += p
+    return p, grpo.prefix_states(model, conversations[0].prompt_ids[:p]) if p else None
+
+
 @torch.no_grad()
-def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature):
-    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors)."""
+def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
+    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors). With
+    `shared_prefix`, the prefix all the conversations share is encoded once for the whole pass."""
     was_training = model.training
     model.eval()
+    prefix = encode_prefix(model, conversations, common_prefix(conversations) if shared_prefix and conversations else 0)
     result = []
     for s in range(0, len(conversations), micro_batch_size):
         chunk = conversations[s:s + micro_batch_size]
-        ids, attn, start, _ = pad_batch(chunk, pad_id, device)
-        lp = grpo.token_logprobs(model, ids, attn, temperature, response_start=start).float().cpu()
+        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature, prefix=prefix)
+        lp = lp.float().cpu()
         result += [lp[i, lp.shape[1] - len(c.response_ids):] for i, c in enumerate(chunk)]
     model.train(was_training)
     return result
@@ -214,6 +246,12 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     Every rank runs the same number of passes (a missing one weighs zero), and every trained token
     weighs the same wherever it lands: `loss_fn(logprobs, entropy, f, num_tokens)` divides by
     num_tokens = (trained tokens on all ranks) / world, since DDP averages gradients over ranks.
+
+    With --shared_prefix the prefix the rank's conversations share is encoded once per update, with
+    grad (`grpo.prefix_states`). Micro-batches but the last attend to a detached copy of its states
+    S, whose gradient G collects theirs; the last attends to S itself and adds sum(S * G), whose
+    gradient with respect to S is G, so the one backward through the prefix (and DDP's all-reduce,
+    on that last pass) carries every micro-batch's share. Not under FSDP or an fp16 loss scaler.
     Returns (grad norm, summed loss, metrics summed weighted by tokens, tokens on this rank)."""
     device = accelerator.device
     stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), math.ceil(len(mini) / args.micro_batch_size)],
@@ -221,17 +259,27 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
     n_micro = int(accelerator.reduce(stats[1:].clone(), "max").item())
     total_loss, sums, tokens = 0.0, {}, 0.0
+    precision = accelerator.autocast if autocast else contextlib.nullcontext
+    shared = (getattr(args, "shared_prefix", False) and accelerator.distributed_type != DistributedType.FSDP
+              and accelerator.scaler is None)
+    p = common_prefix(mini + fallback) if shared else 0
+    with precision():  # through the plain module: DDP's all-reduce waits for the last micro-batch's backward
+        p, states = encode_prefix(accelerator.unwrap_model(model, keep_fp32_wrapper=True), mini or fallback, p)
+    copies = [tuple(x.detach().requires_grad_() for x in kv) for kv in states] if p else None
     for u in range(n_micro):
         micro = mini[u * args.micro_batch_size:(u + 1) * args.micro_batch_size]
         weight = 1.0 if micro else 0.0
-        ids, attn, start, f = pad_batch(micro or fallback, pad_id, device, ("loss_mask",) + fields)
-        f["loss_mask"] = f["loss_mask"] * weight
-        sync = accelerator.no_sync(model) if u < n_micro - 1 else contextlib.nullcontext()
-        with sync, accelerator.autocast() if autocast else contextlib.nullcontext():  # grads all-reduced on the last pass
-            out = grpo.token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy)
+        last = u == n_micro - 1
+        sync = accelerator.no_sync(model) if not last else contextlib.nullcontext()
+        with sync, precision():  # grads all-reduced on the last pass
+            out, f = micro_logprobs(model, micro or fallback, pad_id, device, ("loss_mask",) + fields, temperature,
+                                    return_entropy, prefix=(p, states if last else copies))
+            f["loss_mask"] = f["loss_mask"] * weight
             logprobs, entropy = out if return_entropy else (out, None)
             loss, metrics = loss_fn(logprobs, entropy, f, max(global_tokens, 1.0) / accelerator.num_processes)
-            accelerator.backward(loss)
+            earlier = [(s * c.grad).sum() for kv, ckv in zip(states, copies) for s, c in zip(kv, ckv)
+                       if c.grad is not None] if p and last else []
+            accelerator.backward(loss + sum(earlier))
         n_here = float(f["loss_mask"].sum())
         total_loss, tokens = total_loss + loss.item(), tokens + n_here
         for key, value in metrics.items():
@@ -524,6 +572,7 @@ def main(argv=None, generate_fn=agent.generate):
     for step in bar:
         # --- rollout: this rank's share of the step's questions, G trajectories each ----------
         t0 = time.time()
+        ENCODED_TOKENS[0] = 0
         batch = step_questions(questions, step, args.batch_size, args.seed)
         share = args.batch_size // world
         mine = batch[rank * share:(rank + 1) * share]
@@ -566,12 +615,14 @@ def main(argv=None, generate_fn=agent.generate):
         with accelerator.autocast():  # the same precision as the update's forward passes
             recorded = [recorded_old and id(group[i]) not in oracle_made for i in owner]  # the oracle's: recomputed
             recompute = [c for c, r in zip(conversations, recorded) if not r]
-            fresh = iter(response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size, args.temperature)
+            fresh = iter(response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size, args.temperature,
+                                            args.shared_prefix)
                          if recompute else [])
             old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
             gap = max((float((torch.tensor(c.logprobs) - o).abs().mul(torch.tensor(c.loss_mask)).max()) for i, c, o
                        in zip(owner, conversations, old) if id(group[i]) not in oracle_made and c.loss_mask), default=0.0)
-            ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature)
+            ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature,
+                                     args.shared_prefix)
                    if reference is not None else None)
         t_reference = time.time() - t0
         for k, c in enumerate(conversations):  # attach what the update reads, per conversation
@@ -643,7 +694,8 @@ def main(argv=None, generate_fn=agent.generate):
                "equal_reward_groups": equal_groups / n_groups, "skipped_trajectories": skipped_trajectories,
                "old_logprob_gap": accelerator.reduce(torch.tensor(gap, device=device), "max").item(),
                "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference,
-               "seconds_update": t_update, "peak_memory_gb": peak / 2**30}
+               "seconds_update": t_update, "peak_memory_gb": peak / 2**30,
+               "encoded_tokens": accelerator.reduce(torch.tensor(float(ENCODED_TOKENS[0]), device=device), "sum").item()}
         log(row)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:

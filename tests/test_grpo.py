@@ -207,6 +207,62 @@ def test_token_logprobs_chunking_is_exact(tiny_llama, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# 3b. A shared prefix encoded once equals the plain forward, values and gradients
+# ---------------------------------------------------------------------------------------------
+def _prefixed(prefix_len, lengths, seed=5):
+    """Rows = one shared prefix + a suffix of each length; returns the plain left-padded batch and
+    the suffixes alone, left-padded (the layout token_logprobs takes after a prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 64, (prefix_len,), generator=g)
+    suffixes = [torch.randint(0, 64, (n,), generator=g) for n in lengths]
+    def left_pad(rows):
+        width = max(map(len, rows))
+        ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+        return ids, (torch.arange(width)[None] >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
+    return prefix, left_pad([torch.cat([prefix, s]) for s in suffixes]), left_pad(suffixes)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("lengths", [(7, 11, 5), (9, 9, 9)])  # mixed lengths (left padding after the prefix), equal
+def test_shared_prefix_equals_plain_forward(tiny_llama, checkpointing, lengths):
+    """Scored: each row's last 4 tokens (every row keeps a token of its own before them)."""
+    from grpo import prefix_states
+
+    model = copy.deepcopy(tiny_llama).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prefix, (ids, mask), (suffix_ids, suffix_mask) = _prefixed(8, lengths)
+    g = torch.Generator().manual_seed(6)
+    weights = torch.randn(3, 4, generator=g)
+    plain = token_logprobs(model, ids, mask, 0.7, response_start=ids.shape[1] - 4, return_entropy=True)
+    grads = _grads(model, [plain[0][:, -4:] * weights, plain[1][:, -4:]])
+    shared = token_logprobs(model, suffix_ids, suffix_mask, 0.7, response_start=suffix_ids.shape[1] - 4,
+                            return_entropy=True, prefix=prefix_states(model, prefix))
+    assert (shared[0][:, :-4] == 0).all()
+    for a, b in zip(plain, shared):
+        torch.testing.assert_close(b[:, -4:], a[:, -4:], rtol=0, atol=1e-5)
+    for a, b in zip(grads, _grads(model, [shared[0][:, -4:] * weights, shared[1][:, -4:]])):  # summed into one prefix
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_prefix_states_under_no_grad_serve_several_batches(tiny_llama):
+    """One no-grad encoding of the prefix, reused by micro-batches of different sizes, as the old and
+    reference passes do."""
+    from grpo import prefix_states
+
+    prefix, (ids, mask), (suffix_ids, suffix_mask) = _prefixed(10, (6, 8, 7))
+    with torch.no_grad():
+        plain = token_logprobs(tiny_llama, ids, mask, response_start=ids.shape[1] - 3)
+        states = prefix_states(tiny_llama, prefix)
+        for rows in ([0], [1, 2], [0, 1, 2]):
+            sub_ids, sub_mask = suffix_ids[rows], suffix_mask[rows]
+            keep = int(sub_mask.sum(0).gt(0).nonzero()[0])  # drop columns that are padding in every row
+            out = token_logprobs(tiny_llama, sub_ids[:, keep:], sub_mask[:, keep:], response_start=sub_ids.shape[1] - keep - 3,
+                                 prefix=states)
+            torch.testing.assert_close(out[:, -3:], plain[rows, -3:], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # 4. Micro-batches of 1 with num_tokens = one full batch
 # ---------------------------------------------------------------------------------------------
 def test_micro_batch_gradients_equal_full_batch(tiny_llama):
