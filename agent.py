@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -403,41 +404,148 @@ def make_recorder(temperature: float):
     return RecordLogprobs()
 
 
+PREFILLED_TOKENS = [0]  # token positions prefilled by generate calls (padding included), for bench/rollout.py
+
+
+def left_pad(rows: list[list[int]], pad: int, device):
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 512, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> list[Generation]:
-    """One left-padded `generate` call over all prompts (KV cache on, eval mode)."""
+    """One left-padded `generate` call over all prompts (KV cache on, eval mode), every prompt prefilled whole."""
     if not prompts:
         return []
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id, model.device)
+    return _generate(model, tokenizer, ids, mask, None, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, greedy=greedy)[0]
+
+
+def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
+              greedy=False):
+    """HF `generate` from `input_ids` (the first `cache.get_seq_length()` of them already in `cache`);
+    returns (generations, the full sequences [B, L + new], the cache of all but their last column)."""
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id
-    width = max(map(len, prompts))
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    width = input_ids.shape[1]
+    PREFILLED_TOKENS[0] += input_ids.shape[0] * (width - (cache.get_seq_length() if cache is not None else 0))
     temperature = 1.0 if greedy else temperature
     recorder = make_recorder(temperature)
     stop = stop_token_ids(tokenizer)
     warpers = {} if greedy else dict(temperature=temperature, top_p=top_p, top_k=top_k)
     config = GenerationConfig(  # explicit values, so no default from the model's config sneaks in
         max_new_tokens=max_new_tokens, do_sample=not greedy, repetition_penalty=1.0, num_beams=1,
-        use_cache=True, eos_token_id=stop, pad_token_id=pad, **warpers)
+        use_cache=True, eos_token_id=stop, pad_token_id=pad, return_dict_in_generate=True, **warpers)
     was_training = model.training
     model.eval()
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=[recorder])
+                             logits_processor=[recorder], **({_cache_kwarg(model.generate): cache} if cache is not None else {}))
     finally:
         model.train(was_training)
-    new = out[:, width:]
+    new = out.sequences[:, width:]
     recorder.score(new[:, -1])
-    logprobs = torch.stack(recorder.logprobs, dim=1).tolist() if recorder.logprobs else [[] for _ in prompts]
+    logprobs = torch.stack(recorder.logprobs, dim=1).tolist() if recorder.logprobs else [[] for _ in input_ids]
     results = []
     for row, lp in zip(new.tolist(), logprobs):
         end = next((i for i, tok in enumerate(row) if tok in stop), None)
         n = len(row) if end is None else end + 1
         results.append(Generation(ids=row[:n], logprobs=lp[:n], finished=end is not None))
-    return results
+    return results, out.sequences, getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+def _cache_kwarg(function) -> str:
+    """transformers 5 names the cache argument `cache`, earlier versions `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
+class CachedGenerate:
+    """`generate` that prefills nothing twice within one rollout (same interface, same results):
+
+    - **Across a tool response.** A prompt that extends a row of the previous call (that row's prompt
+      and generation, then the tool-response turn) continues from that row's KV cache and prefills only
+      the new tokens: MemSearcher's memory update, ReAct's next turn. Rows that finished before the
+      longest one hold pad slots in the cache; the attention mask hides them and positions follow
+      the mask (HF derives them from its cumulative sum), so every token sees what it saw before.
+    - **The shared prefix.** Otherwise the prompts' common prefix (the system prompt) is prefilled
+      once, kept for the rollout, and every row starts from a view of its cache; the rest of each
+      prompt is left-padded after it.
+    A rollout makes a fresh one (`rollout(generate_fn=None)`); `generate` is the stateless reference.
+    """
+
+    def __init__(self):
+        self.tokens, self.sequences, self.mask, self.cache = [], None, None, None  # the previous call's rows
+        self.prefix_ids, self.prefix = [], None  # the shared prefix and its per-layer (keys, values), batch 1
+
+    @torch.no_grad()
+    def __call__(self, model, tokenizer, prompts, **sampling):
+        if not prompts:
+            return []
+        pad, device = tokenizer.pad_token_id, model.device
+        rows = self._continued(prompts)
+        if rows is not None:  # continue those rows: keep their cache, add only what follows their generation
+            index = torch.tensor(rows, device=device)
+            self.cache.batch_select_indices(index)
+            new_ids, new_mask = left_pad([p[len(self.tokens[r]):] for p, r in zip(prompts, rows)], pad, device)
+            ids, mask = torch.cat([self.sequences[index], new_ids], 1), torch.cat([self.mask[index], new_mask], 1)
+            cache = self.cache
+        else:  # a fresh batch: its shared prefix once, then the rest of each prompt
+            p = self._prefix(model, prompts)
+            rest_ids, rest_mask = left_pad([q[p:] for q in prompts], pad, device)
+            prefix_ids = torch.tensor(self.prefix_ids[:p], device=device).expand(len(prompts), -1)
+            ids, mask = torch.cat([prefix_ids, rest_ids], 1), torch.cat([torch.ones_like(prefix_ids), rest_mask], 1)
+            cache = _writable_cache(self.prefix, len(prompts)) if p else None
+        results, self.sequences, self.cache = _generate(model, tokenizer, ids, mask, cache, **sampling)
+        made = self.sequences.shape[1] - ids.shape[1]
+        made_mask = torch.tensor([[1] * len(r.ids) + [0] * (made - len(r.ids)) for r in results], device=device)
+        self.mask = torch.cat([mask, made_mask.view(len(results), made)], 1)
+        self.tokens = [q + r.ids for q, r in zip(prompts, results)]
+        return results
+
+    def _continued(self, prompts):
+        """For each prompt, a previous row it extends (None unless every prompt has one)."""
+        rows = []
+        for p in prompts:
+            r = next((r for r, t in enumerate(self.tokens) if len(p) > len(t) and p[:len(t)] == t), None)
+            if r is None:
+                return None
+            rows.append(r)
+        return rows
+
+    def _prefix(self, model, prompts) -> int:
+        """Length of the cached prefix these prompts share (encoding it if it is new); 0 for none."""
+        n = len(self.prefix_ids)
+        if n and all(q[:n] == self.prefix_ids and len(q) > n for q in prompts):
+            return n
+        n = min(map(len, prompts)) - 1
+        n = next((k for k in range(n) if any(q[k] != prompts[0][k] for q in prompts)), max(n, 0))
+        if n < 2:
+            return 0
+        self.prefix_ids = prompts[0][:n]
+        PREFILLED_TOKENS[0] += n
+        out = model(input_ids=torch.tensor([self.prefix_ids], device=model.device), use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
+        return n
+
+
+def _writable_cache(states, batch: int):
+    """A DynamicCache holding `states` for `batch` rows (views until generate appends to them)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache()
+    cache.layers = []
+    for keys, values in states:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
+        cache.layers.append(layer)
+    return cache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,7 +556,7 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
             max_response_tokens: int = 8192, temperature: float = 1.0, top_p: float = 0.99, top_k: int = 10000,
             greedy: bool = False, evaluation: bool = False, default_top_n: int = DEFAULT_TOP_N,
             system_prompt: str | None = None, memory_instruction: str | None = None,
-            generate_fn=generate) -> list[Trajectory]:
+            generate_fn=None) -> list[Trajectory]:
     """Roll out `group_size` trajectories per question ({"id", "question", "golden_answers"}).
 
     Training (the paper's defaults: 5 turns, 512 new tokens, memory cap 1024, T=1.0, top-p 0.99,
@@ -460,13 +568,15 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
     generation cut by the token limit still has its tool calls run.
     The prediction is the last boxed answer of the last assistant message (in evaluation, after
     removing `<think>...</think>`). `generate_fn(model, tokenizer, prompts, **sampling)` is
-    swappable so tests and the oracle can script outputs.
+    swappable so tests and the oracle can script outputs; by default a fresh `CachedGenerate`
+    (`generate` gives the same results, prefilling every prompt whole).
     """
     if agent not in ("memsearcher", "react"):
         raise ValueError(f"agent must be 'memsearcher' or 'react', not {agent!r}")
     trajectories = [Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
                     for q in questions for _ in range(group_size)]
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    generate_fn = generate_fn or CachedGenerate()
     gen = lambda prompts: generate_fn(model, tokenizer, prompts, **sampling)  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 -- for logs and reward only
     illegal = tokenizer.convert_tokens_to_ids(START_OF_TURN)

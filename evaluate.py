@@ -445,7 +445,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def main(argv=None, generate_fn=agent.generate):
+def main(argv=None, generate_fn=None):
     args = parse_args(argv)
     if args.compare:
         return compare(args.compare, args.output_dir)

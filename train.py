@@ -466,7 +466,7 @@ def step_questions(questions, step, batch_size, seed):
 # ---------------------------------------------------------------------------------------------
 # 2 + 4. Set-up and the training loop
 # ---------------------------------------------------------------------------------------------
-def main(argv=None, generate_fn=agent.generate):
+def main(argv=None, generate_fn=None):
     args = parse_args(argv)
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     precision = resolve_precision(args.mixed_precision)

@@ -350,6 +350,82 @@ def test_greedy_rollout_with_real_model_is_deterministic(tiny_lm, tokenizer):
     assert a[0].end_reason in ("length", "no_answer", "answer", "illegal_stop", "max_turns")
 
 
+# --- prefilling nothing twice: CachedGenerate equals the stateless generate ------------------------
+def test_cached_generate_equals_generate_across_a_tool_response(tiny_lm, tokenizer):
+    """Call 1 (rows ending at different lengths: pad slots in the middle of the cache) starts from the
+    prompts' shared prefix; call 2 continues each row after tool responses of different lengths and
+    prefills only those. Greedy tokens equal the stateless generate's; recorded log-probs within 1e-4."""
+    model = eager_end_lm(tiny_lm, tokenizer, 0.02)  # greedy: rows end after 6 tokens and at the limit
+    prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q, m)) for q, m in PARITY_PROMPTS]
+    cached = agent.CachedGenerate()
+    kw = dict(max_new_tokens=24, greedy=True)
+    before = agent.PREFILLED_TOKENS[0]
+    first = cached(model, tokenizer, prompts, **kw)
+    system = len(agent.encode(tokenizer, agent.chatml("system", agent.SYSTEM_PROMPT)))
+    assert len(cached.prefix_ids) >= system  # the shared prefix: at least the system prompt, prefilled once
+    assert agent.PREFILLED_TOKENS[0] - before < sum(map(len, prompts)) - system
+    reference = agent.generate(model, tokenizer, prompts, **kw)
+    assert len({len(o.ids) for o in first}) > 1 and {o.finished for o in first} == {True, False}
+    tools = [[], ["a short result"], ["a much longer result " * 5, "and a second call"]]
+    follow = [p + o.ids + agent.encode(tokenizer, agent.tool_response_turn([{"body": "{}"}] * len(t), t, agent.MEMORY_INSTRUCTION))
+              for p, o, t in zip(prompts, first, tools)]
+    before = agent.PREFILLED_TOKENS[0]
+    second = cached(model, tokenizer, follow[::-1], **kw)[::-1]  # rows may come back in any order
+    new_tokens = [len(f) - len(p) - len(o.ids) for f, p, o in zip(follow, prompts, first)]
+    assert agent.PREFILLED_TOKENS[0] - before <= len(follow) * (max(new_tokens) + 1)
+    for ours, theirs in ((first, reference), (second, agent.generate(model, tokenizer, follow, **kw))):
+        for a, b in zip(ours, theirs):
+            assert a.ids == b.ids and a.finished == b.finished
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def forcing_tool_call(monkeypatch, tokenizer, forced_calls):
+    """Make generate calls number `forced_calls` (0-based) emit a search call in every row (a
+    processor that leaves one token possible), so that a random model's next call continues after a
+    real tool response."""
+    script = agent.encode(tokenizer, " I must look this up.</think>\n" + CALL + "<|im_end|>")
+    original, calls = agent.make_recorder, [0]
+
+    def make_recorder(temperature):
+        recorder, k, steps = original(temperature), calls[0], [0]
+        calls[0] += 1
+        if k not in forced_calls:
+            return recorder
+
+        def forced(input_ids, scores):
+            forced_scores = torch.full_like(scores, -1e4)
+            forced_scores[:, script[min(steps[0], len(script) - 1)]] = 0.0
+            steps[0] += 1
+            return recorder(input_ids, forced_scores)
+        forced.score = recorder.score
+        forced.logprobs = recorder.logprobs
+        return forced
+    monkeypatch.setattr(agent, "make_recorder", make_recorder)
+    return calls
+
+
+@pytest.mark.parametrize("agent_name", ["memsearcher", "react"])
+def test_rollout_with_cached_generate_equals_stateless(tiny_lm, tokenizer, monkeypatch, agent_name):
+    """A whole rollout (2 turns, a forced search in turn 1, the random model everywhere else) with the
+    default CachedGenerate equals one with the stateless generate: tokens, masks, log-probs."""
+    questions = [Q, {"id": "q2", "question": "Which river flows through the town of Osk?", "golden_answers": ["x"]}]
+    runs, prefilled = [], []
+    for generate_fn in (agent.generate, None):
+        calls = forcing_tool_call(monkeypatch, tokenizer, {0})
+        prefilled.append(-agent.PREFILLED_TOKENS[0])
+        runs.append(agent.rollout(tiny_lm, tokenizer, questions, FakeSearch(), agent=agent_name, group_size=2,
+                                  max_turns=2, max_new_tokens=64, greedy=True, generate_fn=generate_fn, **EVAL))
+        assert calls[0] >= 2
+        prefilled[-1] += agent.PREFILLED_TOKENS[0]
+    system = len(agent.encode(tokenizer, agent.chatml("system", agent.SYSTEM_PROMPT)))
+    assert prefilled[1] < prefilled[0] - 3 * system  # turn 2 continued, not re-prefilled; the prompt prefix once
+    for a, b in zip(*runs):
+        assert a.num_searches == b.num_searches == 1 and len(a.conversations) == len(b.conversations)
+        for x, y in zip(a.conversations, b.conversations):
+            assert (x.prompt_ids, x.response_ids, x.loss_mask) == (y.prompt_ids, y.response_ids, y.loss_mask)
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4
+
+
 # --- reward and metrics on hand cases ------------------------------------------------------------
 def test_normalize_em_f1_by_hand():
     assert agent.normalize_answer("  The Glass,   Orchard! ") == "glass orchard"
