@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import os
 import re
@@ -445,7 +444,7 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
     model.eval()
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=[recorder], **({_cache_kwarg(model.generate): cache} if cache is not None else {}))
+                             logits_processor=[recorder], **({_cache_kwarg(): cache} if cache is not None else {}))
     finally:
         model.train(was_training)
     new = out.sequences[:, width:]
@@ -459,9 +458,11 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
     return results, out.sequences, getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
 
-def _cache_kwarg(function) -> str:
-    """transformers 5 names the cache argument `cache`, earlier versions `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+def _cache_kwarg() -> str:
+    """transformers 5 names generate's cache argument `cache`, earlier versions `past_key_values`."""
+    import transformers
+
+    return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
 class CachedGenerate:

@@ -3,11 +3,13 @@
     python bench/rollout.py                              # 16 questions, 128 new tokens per generation
     python bench/rollout.py --questions 8 --max_new_tokens 64
 
-Prints, from one run:
-1. batched rollout vs one question at a time: one `rollout` call over N questions against N calls
-   of one question each (MemSearcher, greedy, memory reset on an invalid update), in generated
-   tokens/s (tokens the policy sampled, loss_mask == 1), with the ratio and whether both runs
-   generated the same tokens;
+Prints, from one run (best with a warm-started `--model`: an untrained one never searches):
+1. rollouts: one batched `rollout` over N questions (MemSearcher, greedy, memory reset on an
+   invalid update) with the default agent.CachedGenerate, against N rollouts of one question and
+   against the stateless agent.generate (every prompt prefilled whole); per run: generated
+   tokens/s, tokens prefilled (and per conversation), seconds of prefill (until the first logits)
+   and of decoding, the share of row-steps that made a kept token, and the decoding seconds spent
+   on rows that had already stopped (stragglers); whether the runs sampled the same tokens;
 2. agent-loop overhead: one raw left-padded `model.generate` over the same first-turn prompts
    (KV cache on, exactly as many new tokens per row as the batched rollout generated on average)
    against the batched rollout, in tokens/s, with the ratio rollout / raw;
@@ -16,7 +18,9 @@ Prints, from one run:
    a plot `bench/context_tokens.png` when matplotlib is installed;
 4. precision (`--sections 4`, best with a trained `--model`): the batched rollout in float32 against
    bfloat16 weights (evaluate.py --dtype), in tokens/s with the ratio, and how many greedy
-   predictions and answers agree.
+   predictions and answers agree;
+5. ReAct's prefill at 2, 4 and 8 turns, stateless against cached: the real model is forced token
+   by token to emit section 3's scripted searches, so only the prefill differs.
 
     python bench/rollout.py --sections 4 --model runs/memsearcher
 """
@@ -42,16 +46,54 @@ def load_questions(n):
     return question_rows(os.path.join(ROOT, "data", "toy", "test.jsonl"))[:n]
 
 
-def timed_generate(stats):
-    """agent.generate, counting its calls and the seconds spent inside it."""
-    def generate_fn(model, tokenizer, prompts, **sampling):
-        t = time.perf_counter()
-        out = agent.generate(model, tokenizer, prompts, **sampling)
-        stats["calls"] += bool(prompts)  # rollout also calls it with no prompts (nobody updating memory)
-        stats["seconds"] += time.perf_counter() - t
-        stats["slots"] += len(prompts) * max((len(g.ids) for g in out), default=0)  # rows x decoding steps
+class Timed:
+    """A rollout's generate_fn that counts what its calls cost: calls, seconds in generate, seconds
+    until the first logits (the prefill), tokens prefilled, and row-steps (rows x decoding steps).
+    `cached`: a fresh agent.CachedGenerate per rollout (the default); else the stateless agent.generate.
+    `script(prompt_text) -> text` forces what the model emits (through the real model and cache)."""
+
+    def __init__(self, stats, cached=True, script=None):
+        self.stats, self.inner, self.script = stats, agent.CachedGenerate() if cached else agent.generate, script
+
+    def __call__(self, model, tokenizer, prompts, **sampling):
+        if not prompts:
+            return []
+        original, first, stats = agent.make_recorder, [], self.stats
+        forced = [agent.encode(tokenizer, self.script(tokenizer.decode(p))) + [tokenizer.convert_tokens_to_ids(agent.END_OF_TURN)]
+                  for p in prompts] if self.script else None
+
+        def make_recorder(temperature):
+            recorder, steps = original(temperature), [0]
+
+            def timed(input_ids, scores):
+                if not first:
+                    first.append(time.perf_counter())
+                if forced:  # one possible token per row: the script's next one
+                    step, steps[0] = steps[0], steps[0] + 1
+                    scores = torch.full_like(scores, -1e4)
+                    for i, f in enumerate(forced):
+                        scores[i, f[min(step, len(f) - 1)]] = 0.0
+                return recorder(input_ids, scores)
+            timed.score, timed.logprobs = recorder.score, recorder.logprobs
+            return timed
+
+        agent.make_recorder = make_recorder
+        prefilled, t = agent.PREFILLED_TOKENS[0], time.perf_counter()
+        try:
+            out = self.inner(model, tokenizer, prompts, **sampling)
+        finally:
+            agent.make_recorder = original
+        end = time.perf_counter()
+        stats["calls"] += 1
+        stats["seconds"] += end - t
+        stats["prefill_seconds"] += (first[0] if first else end) - t
+        stats["prefilled"] += agent.PREFILLED_TOKENS[0] - prefilled
+        stats["slots"] += len(prompts) * max((len(g.ids) for g in out), default=0)
         return out
-    return generate_fn
+
+
+def new_stats():
+    return {"calls": 0, "seconds": 0.0, "prefill_seconds": 0.0, "prefilled": 0, "slots": 0}
 
 
 def sampled_tokens(trajectories):
@@ -66,15 +108,17 @@ def sampled_ids(t):
 # ---------------------------------------------------------------------------------------------
 # 1 + 2. Throughput: batched rollout, one at a time, raw generate
 # ---------------------------------------------------------------------------------------------
-def run_rollouts(model, tokenizer, questions, search, batches, args):
+def run_rollouts(model, tokenizer, questions, search, batches, args, cached=True, agent_name="memsearcher", script=None,
+                 max_turns=None, max_new_tokens=None):
     """Roll out `questions` in the given batches -> (trajectories, wall seconds, generate stats)."""
-    stats = {"calls": 0, "seconds": 0.0, "slots": 0}
+    stats = new_stats()
     trajectories = []
     start = time.perf_counter()
     for batch in batches:
-        trajectories += agent.rollout(model, tokenizer, batch, search, agent="memsearcher", greedy=True,
-                                      max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                                      evaluation=True, max_memory_tokens=None, generate_fn=timed_generate(stats))
+        trajectories += agent.rollout(model, tokenizer, batch, search, agent=agent_name, greedy=True,
+                                      max_turns=max_turns or args.max_turns, max_new_tokens=max_new_tokens or args.max_new_tokens,
+                                      evaluation=True, max_memory_tokens=None, max_response_tokens=10**9,
+                                      generate_fn=Timed(stats, cached, script))
     return trajectories, time.perf_counter() - start, stats
 
 
@@ -107,35 +151,62 @@ def describe(trajectories):
 def bench_throughput(model, tokenizer, questions, search, args):
     n = len(questions)
     agent.generate(model, tokenizer, [agent.encode(tokenizer, "Hello")] * 2, max_new_tokens=4, greedy=True)  # warm-up
-    batched, t_batched, s_batched = run_rollouts(model, tokenizer, questions, search, [questions], args)
-    single, t_single, s_single = run_rollouts(model, tokenizer, questions, search, [[q] for q in questions], args)
-    tok_b, tok_s = sampled_tokens(batched), sampled_tokens(single)
-
-    print(f"\n== 1. Batched rollout vs one at a time: {n} questions, MemSearcher, greedy, "
-          f"max_turns {args.max_turns}, max_new_tokens {args.max_new_tokens}")
-    print(f"{'run':>24} | {'wall s':>7} | {'gen tokens':>10} | {'tokens/s':>8} | {'generate calls':>14} | {'in generate':>11}")
-    for name, toks, secs, st in [(f"one rollout over {n}", tok_b, t_batched, s_batched),
-                                 (f"{n} rollouts of 1", tok_s, t_single, s_single)]:
-        print(f"{name:>24} | {secs:>7.1f} | {toks:>10} | {toks / secs:>8.1f} | {st['calls']:>14} | {st['seconds'] / secs:>10.0%}")
-    print(f"batched / one at a time: {tok_b / t_batched / (tok_s / t_single):.2f}x tokens/s")
-    same = sum(sampled_ids(a) == sampled_ids(b) for a, b in zip(batched, single))
-    print(f"same number of generated tokens: {'yes' if tok_b == tok_s else 'no'} ({tok_b} vs {tok_s}); "
-          f"trajectories with identical sampled tokens: {same}/{n}")
-    print(f"batched:       {describe(batched)}")
-    print(f"one at a time: {describe(single)}")
+    runs = {f"one rollout over {n}": run_rollouts(model, tokenizer, questions, search, [questions], args),
+            f"{n} rollouts of 1": run_rollouts(model, tokenizer, questions, search, [[q] for q in questions], args),
+            f"over {n}, stateless": run_rollouts(model, tokenizer, questions, search, [questions], args, cached=False)}
+    print(f"\n== 1. Rollouts: {n} questions, MemSearcher, greedy, max_turns {args.max_turns}, max_new_tokens "
+          f"{args.max_new_tokens}; CachedGenerate (KV cache kept across tool responses, shared prefix once) unless "
+          f"'stateless' (every prompt prefilled whole)")
+    print(f"{'run':>24} | {'wall s':>7} | {'gen tokens':>10} | {'tokens/s':>8} | {'calls':>5} | {'prefilled':>9} | "
+          f"{'per conv.':>9} | {'prefill s':>9} | {'decode s':>8} | {'useful slots':>12} | {'stragglers s':>12}")
+    rows = {}
+    for name, (trajectories, secs, st) in runs.items():
+        tokens, conversations = sampled_tokens(trajectories), sum(len(t.conversations) for t in trajectories)
+        decode = st["seconds"] - st["prefill_seconds"]
+        useful = tokens / max(st["slots"], 1)
+        rows[name] = dict(tokens=tokens, secs=secs, per_conv=st["prefilled"] / conversations, prefill=st["prefill_seconds"])
+        print(f"{name:>24} | {secs:>7.1f} | {tokens:>10} | {tokens / secs:>8.1f} | {st['calls']:>5} | {st['prefilled']:>9} | "
+              f"{st['prefilled'] / conversations:>9.0f} | {st['prefill_seconds']:>9.1f} | {decode:>8.1f} | {useful:>12.0%} | "
+              f"{decode * (1 - useful):>12.1f}")
+    batched, single, stateless = rows.values()
+    print(f"batched / one at a time: {batched['tokens'] / batched['secs'] / (single['tokens'] / single['secs']):.2f}x tokens/s")
+    print(f"cached / stateless: prefilled tokens per conversation {batched['per_conv'] / stateless['per_conv']:.2f}x, "
+          f"prefill seconds {batched['prefill'] / max(stateless['prefill'], 1e-9):.2f}x, wall {batched['secs'] / stateless['secs']:.2f}x")
+    (a, _, _), (b, _, _), (c, _, _) = runs.values()
+    print(f"identical sampled tokens: batched vs one at a time {sum(sampled_ids(x) == sampled_ids(y) for x, y in zip(a, b))}/{n}, "
+          f"cached vs stateless {sum(sampled_ids(x) == sampled_ids(y) for x, y in zip(a, c))}/{n}")
+    print(f"batched: {describe(a)}")
+    print("(stragglers s: decode seconds x the share of row-steps spent on rows that had already stopped)")
 
     prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q["question"], "")) for q in questions]
-    per_row = max(1, round(tok_b / n))
+    per_row = max(1, round(batched["tokens"] / n))
     tok_r, t_raw = raw_generate(model, tokenizer, prompts, per_row)
-    rate_b, rate_r = tok_b / t_batched, tok_r / t_raw
+    rate_b, rate_r = batched["tokens"] / batched["secs"], tok_r / t_raw
     print(f"\n== 2. Agent-loop overhead: batched rollout vs one raw model.generate (batch {n}, left-padded, "
           f"first-turn prompts, {per_row} new tokens per row, KV cache)")
     print(f"{'run':>24} | {'wall s':>7} | {'gen tokens':>10} | {'tokens/s':>8}")
     print(f"{'raw model.generate':>24} | {t_raw:>7.1f} | {tok_r:>10} | {rate_r:>8.1f}")
-    print(f"{'batched rollout':>24} | {t_batched:>7.1f} | {tok_b:>10} | {rate_b:>8.1f}")
+    print(f"{'batched rollout':>24} | {batched['secs']:>7.1f} | {batched['tokens']:>10} | {rate_b:>8.1f}")
     print(f"rollout / raw: {rate_b / rate_r:.2f}x tokens/s")
-    print(f"the rollout's generate calls run until their longest row stops: {s_batched['slots']} row-steps for "
-          f"{tok_b} tokens ({tok_b / max(s_batched['slots'], 1):.0%} of the batch slots did useful work; raw: 100%)")
+
+
+def bench_react_prefill(model, tokenizer, questions, search, args):
+    """ReAct's prefill against its turns: the real model emits the scripted policy's searches (forced
+    token by token through the real generate and cache), so only the prefill differs between runs."""
+    print(f"\n== 5. ReAct prefill vs turns: {len(questions)} questions, the real model forced to search every turn "
+          f"(section 3's scripted policy), stateless generate vs CachedGenerate")
+    print(f"{'turns':>5} | {'stateless prefilled':>19} | {'prefill s':>9} | {'cached prefilled':>16} | {'prefill s':>9} | {'ratio':>6}")
+    for turns in (2, 4, 8):
+        found = {}
+        for cached in (False, True):
+            script = scripted_policy("react", args.memory_words)
+            policy = lambda text, s=script: tokenizer.decode(s(None, tokenizer, [agent.encode(tokenizer, text)])[0].ids[:-1])  # noqa: E731
+            _, _, st = run_rollouts(model, tokenizer, questions, search, [questions], args, cached=cached, agent_name="react",
+                                    script=policy, max_turns=turns, max_new_tokens=128)  # room for a whole call
+            found[cached] = st
+        a, b = found[False], found[True]
+        print(f"{turns:>5} | {a['prefilled']:>19} | {a['prefill_seconds']:>9.1f} | {b['prefilled']:>16} | "
+              f"{b['prefill_seconds']:>9.1f} | {b['prefilled'] / a['prefilled']:>5.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,7 +328,8 @@ def main():
     ap.add_argument("--max_turns", type=int, default=5, help="turn limit in sections 1 and 2")
     ap.add_argument("--memory_words", type=int, default=60, help="words the scripted memory keeps (section 3)")
     ap.add_argument("--model", default="default", help="policy: `default` (embedded SmolLM2) or a checkpoint / train.py output folder")
-    ap.add_argument("--sections", default="1,2,3", help="which sections to run, e.g. 4 or 1,2,3,4")
+    ap.add_argument("--sections", default="1,2,3,5", help="which sections to run, e.g. 4 or 1,2,3,4,5")
+    ap.add_argument("--react_questions", type=int, default=4, help="questions in section 5")
     args = ap.parse_args()
     import transformers
 
@@ -276,6 +348,8 @@ def main():
         bench_context(tokenizer, questions, search, args)
     if "4" in sections:
         bench_precision(model, tokenizer, questions, search, args)
+    if "5" in sections:
+        bench_react_prefill(model, tokenizer, questions[:args.react_questions], search, args)
     print(f"\ntotal {time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}")
 
 

@@ -4,6 +4,11 @@ is its own).
 
     python bench/step_time.py --model runs/memsearcher/warm_start          # a warm-started policy
     python bench/step_time.py --model runs/memsearcher/warm_start --steps 2
+    python bench/step_time.py --model runs/memsearcher/warm_start --compare shared_prefix --base released
+
+`--compare shared_prefix` instead runs one configuration (`--base released` or `preset`) with
+`--no_shared_prefix` and with the shared prefix (the default), and adds the tokens the log-prob
+passes ran through the model (`encoded_tokens`); both sample the same trajectories.
 
 Runs `train.py --warm_start_steps 0 --max_steps N --seed S` twice:
   released  float32 without autocast, old log-probs recorded while sampling, KL reference pass
@@ -54,24 +59,36 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--recipe", default="", help="extra train.py flags for the recipe run, e.g. '--micro_batch_size 2'")
+    ap.add_argument("--compare", default="recipe", choices=["recipe", "shared_prefix"])
+    ap.add_argument("--base", default="released", choices=["released", "preset"], help="with --compare shared_prefix")
     args = ap.parse_args()
-    results = {"released": run(args.model, RELEASED, args.steps, args.seed, args.threads),
-               "recipe": run(args.model, args.recipe.split(), args.steps, args.seed, args.threads)}
+    if args.compare == "recipe":
+        names = ("released", "recipe")
+        results = {"released": run(args.model, RELEASED, args.steps, args.seed, args.threads),
+                   "recipe": run(args.model, args.recipe.split(), args.steps, args.seed, args.threads)}
+    else:
+        names = ("plain", "shared")
+        flags = RELEASED if args.base == "released" else args.recipe.split()
+        results = {"plain": run(args.model, flags + ["--no_shared_prefix"], args.steps, args.seed, args.threads),
+                   "shared": run(args.model, flags, args.steps, args.seed, args.threads)}
     parts = [("rollout", lambda r: r["seconds_rollout"]), ("log-prob passes", lambda r: r["seconds_reference"]),
              ("update", lambda r: r["seconds_update"]),
+             ("log-prob + update", lambda r: r["seconds_reference"] + r["seconds_update"]),
              ("step", lambda r: r["seconds_rollout"] + r["seconds_reference"] + r["seconds_update"]),
+             ("encoded tokens", lambda r: r.get("encoded_tokens", 0)),
              ("peak memory GB", lambda r: r["peak_memory_gb"]),
              ("oracle trajectories", lambda r: r["oracle_trajectories"]),
              ("trajectories skipped", lambda r: r["skipped_trajectories"]),
              ("trained tokens", lambda r: r["trained_tokens"]),
              ("sampled reward", lambda r: r["reward"]), ("equal-reward groups", lambda r: r["equal_reward_groups"])]
-    print(f"{cpu_name()}, {args.threads} threads; {args.steps} step(s) from {args.model}, seed {args.seed}; mean per step")
-    print(f"{'':<22}{'released':>10}{'recipe':>10}{'ratio':>8}")
+    what = f"; {args.base} recipe, plain vs shared prefix" if args.compare == "shared_prefix" else ""
+    print(f"{cpu_name()}, {args.threads} threads; {args.steps} step(s) from {args.model}, seed {args.seed}{what}; mean per step")
+    print(f"{'':<22}{names[0]:>10}{names[1]:>10}{'ratio':>8}")
     for name, get in parts:
         a, b = (sum(get(r) for r in rows) / len(rows) for rows in results.values())
-        worst = max(get(r) for r in results["recipe"]) if name == "peak memory GB" else None
+        worst = max(get(r) for r in results[names[1]]) if name == "peak memory GB" else None
         ratio = f"{b / a:7.2f}x" if a else "      -"
-        print(f"{name:<22}{a:>10.2f}{b:>10.2f}{ratio}" + (f"   (recipe max {worst:.2f})" if worst else ""))
+        print(f"{name:<22}{a:>10.2f}{b:>10.2f}{ratio}" + (f"   ({names[1]} max {worst:.2f})" if worst else ""))
 
 
 if __name__ == "__main__":
