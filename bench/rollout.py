@@ -20,7 +20,9 @@ Prints, from one run (best with a warm-started `--model`: an untrained one never
    bfloat16 weights (evaluate.py --dtype), in tokens/s with the ratio, and how many greedy
    predictions and answers agree;
 5. ReAct's prefill at 2, 4 and 8 turns, stateless against cached: the real model is forced token
-   by token to emit section 3's scripted searches, so only the prefill differs.
+   by token to emit section 3's scripted searches, so only the prefill differs;
+6. continuous batching: transformers' `generate_batch` against one static `generate` on the
+   first-turn prompts (greedy), in tokens/s, and whether the greedy tokens agree.
 
     python bench/rollout.py --sections 4 --model runs/memsearcher
 """
@@ -321,6 +323,39 @@ def bench_precision(model, tokenizer, questions, search, args):
           f"identical sampled tokens {sum(sampled_ids(x) == sampled_ids(y) for x, y in zip(a, b))}/{n}")
 
 
+# ---------------------------------------------------------------------------------------------
+# 6. Continuous batching (transformers' generate_batch) vs one static batch
+# ---------------------------------------------------------------------------------------------
+def bench_continuous(model, tokenizer, questions, args):
+    """First-turn prompts, greedy, the same stops: one static left-padded generate against
+    transformers' continuous batching, which refills a finished row's slot instead of stepping it."""
+    from transformers import GenerationConfig
+
+    prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q["question"], "")) for q in questions]
+    agent.generate(model, tokenizer, prompts[:2], max_new_tokens=4, greedy=True)  # warm-up
+    t = time.perf_counter()
+    static = agent.generate(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, greedy=True)
+    t_static = time.perf_counter() - t
+    stop = agent.stop_token_ids(tokenizer)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stop,
+                              pad_token_id=tokenizer.pad_token_id)
+    print(f"\n== 6. Continuous batching: {len(prompts)} first-turn prompts, greedy, max_new_tokens {args.max_new_tokens}")
+    try:
+        t = time.perf_counter()
+        out = model.generate_batch(prompts, generation_config=config, warmup=False)
+        t_cb = time.perf_counter() - t
+    except Exception as e:  # not every transformers version or attention backend has it
+        print(f"generate_batch failed: {type(e).__name__}: {str(e)[:200]}")
+        return
+    continuous = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.rsplit("_", 1)[-1]))]
+    tok_s, tok_c = sum(len(g.ids) for g in static), sum(map(len, continuous))
+    print(f"{'run':>24} | {'wall s':>7} | {'gen tokens':>10} | {'tokens/s':>8}")
+    print(f"{'static generate':>24} | {t_static:>7.1f} | {tok_s:>10} | {tok_s / t_static:>8.1f}")
+    print(f"{'generate_batch':>24} | {t_cb:>7.1f} | {tok_c:>10} | {tok_c / t_cb:>8.1f}")
+    same = sum(g.ids == c[:len(g.ids)] for g, c in zip(static, continuous))
+    print(f"continuous / static: {tok_c / t_cb / (tok_s / t_static):.2f}x tokens/s; same greedy tokens {same}/{len(prompts)}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--questions", type=int, default=16, help="questions (= batch size) from data/toy/test.jsonl")
@@ -328,7 +363,7 @@ def main():
     ap.add_argument("--max_turns", type=int, default=5, help="turn limit in sections 1 and 2")
     ap.add_argument("--memory_words", type=int, default=60, help="words the scripted memory keeps (section 3)")
     ap.add_argument("--model", default="default", help="policy: `default` (embedded SmolLM2) or a checkpoint / train.py output folder")
-    ap.add_argument("--sections", default="1,2,3,5", help="which sections to run, e.g. 4 or 1,2,3,4,5")
+    ap.add_argument("--sections", default="1,2,3,5,6", help="which sections to run, e.g. 4 or 1,2,3,4,5,6")
     ap.add_argument("--react_questions", type=int, default=4, help="questions in section 5")
     args = ap.parse_args()
     import transformers
@@ -348,6 +383,8 @@ def main():
         bench_context(tokenizer, questions, search, args)
     if "4" in sections:
         bench_precision(model, tokenizer, questions, search, args)
+    if "6" in sections:
+        bench_continuous(model, tokenizer, questions, args)
     if "5" in sections:
         bench_react_prefill(model, tokenizer, questions[:args.react_questions], search, args)
     print(f"\ntotal {time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.2f}")
