@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+import grpo
+
 # ---------------------------------------------------------------------------------------------
 # 1. The policy model
 # ---------------------------------------------------------------------------------------------
@@ -500,7 +502,7 @@ class CachedGenerate:
             rest_ids, rest_mask = left_pad([q[p:] for q in prompts], pad, device)
             prefix_ids = torch.tensor(self.prefix_ids[:p], device=device).expand(len(prompts), -1)
             ids, mask = torch.cat([prefix_ids, rest_ids], 1), torch.cat([torch.ones_like(prefix_ids), rest_mask], 1)
-            cache = _writable_cache(self.prefix, len(prompts)) if p else None
+            cache = grpo.prefix_cache(self.prefix, len(prompts), writable=True) if p else None
         results, self.sequences, self.cache = _generate(model, tokenizer, ids, mask, cache, **sampling)
         made = self.sequences.shape[1] - ids.shape[1]
         made_mask = torch.tensor([[1] * len(r.ids) + [0] * (made - len(r.ids)) for r in results], device=device)
@@ -529,24 +531,13 @@ class CachedGenerate:
             return 0
         self.prefix_ids = prompts[0][:n]
         PREFILLED_TOKENS[0] += n
-        out = model(input_ids=torch.tensor([self.prefix_ids], device=model.device), use_cache=True, logits_to_keep=1)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
+        was_training = model.training
+        model.eval()
+        try:
+            self.prefix = grpo.prefix_states(model, self.prefix_ids)
+        finally:
+            model.train(was_training)
         return n
-
-
-def _writable_cache(states, batch: int):
-    """A DynamicCache holding `states` for `batch` rows (views until generate appends to them)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    cache = DynamicCache()
-    cache.layers = []
-    for keys, values in states:
-        layer = DynamicLayer()
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
-        cache.layers.append(layer)
-    return cache
 
 
 # ---------------------------------------------------------------------------------------------

@@ -149,9 +149,10 @@ def prefix_states(model, prefix_ids):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _prefix_cache(states, batch: int):
-    """A read-only cache holding `states` expanded (a view) to `batch` rows: each layer returns
-    [prefix; new] and stores nothing, so a checkpointed layer may recompute against it."""
+def prefix_cache(states, batch: int, writable: bool = False):
+    """A transformers cache holding `states` expanded (a view) to `batch` rows. Read-only (the
+    log-prob passes): each layer returns [prefix; new] and stores nothing, so a checkpointed layer
+    may recompute against it. Writable (a rollout's generate): an ordinary DynamicCache."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     class ReadOnlyLayer(DynamicLayer):
@@ -161,7 +162,7 @@ def _prefix_cache(states, batch: int):
     cache = DynamicCache()
     cache.layers = []
     for keys, values in states:
-        layer = ReadOnlyLayer()
+        layer = DynamicLayer() if writable else ReadOnlyLayer()
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1)
         cache.layers.append(layer)
@@ -228,7 +229,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *
         p = prefix[0][0].shape[-2]
         attention_mask = torch.cat([attention_mask.new_ones(B, p), attention_mask], 1)
         position_ids = position_ids + p
-        extra[_cache_kwarg(model)] = _prefix_cache(prefix, B)
+        extra[_cache_kwarg(model)] = prefix_cache(prefix, B)
         flags = {"_can_checkpoint_with_cache": True}  # the cache is read-only: a recompute reads the same states
     with _layer_flags(model, **flags):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
