@@ -225,17 +225,20 @@ def encode_prefix(model, conversations, p):
 
 @torch.no_grad()
 def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
-    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors). With
-    `shared_prefix`, the prefix all the conversations share is encoded once for the whole pass."""
+    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
+    order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
+    prefix all the conversations share is encoded once for the whole pass."""
     was_training = model.training
     model.eval()
     prefix = encode_prefix(model, conversations, common_prefix(conversations) if shared_prefix and conversations else 0)
-    result = []
-    for s in range(0, len(conversations), micro_batch_size):
-        chunk = conversations[s:s + micro_batch_size]
+    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k]))
+    result = [None] * len(conversations)
+    for s in range(0, len(order), micro_batch_size):
+        chunk = [conversations[k] for k in order[s:s + micro_batch_size]]
         lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature, prefix=prefix)
         lp = lp.float().cpu()
-        result += [lp[i, lp.shape[1] - len(c.response_ids):] for i, c in enumerate(chunk)]
+        for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
+            result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
     model.train(was_training)
     return result
 
