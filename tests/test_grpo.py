@@ -229,8 +229,11 @@ def test_shared_prefix_equals_plain_forward(tiny_llama, checkpointing, lengths):
     from grpo import prefix_states
 
     model = copy.deepcopy(tiny_llama).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # (newer transformers call it activation checkpointing)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     prefix, (ids, mask), (suffix_ids, suffix_mask) = _prefixed(8, lengths)
     g = torch.Generator().manual_seed(6)
     weights = torch.randn(3, 4, generator=g)
