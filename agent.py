@@ -467,13 +467,31 @@ def _cache_kwarg() -> str:
     return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
+def compact_cache(cache, mask):
+    """Drop the pad columns every row can spare from a left-padded KV cache, in place; returns the
+    kept columns [B, k] (k = the longest row's real tokens), each row's pads first, then its tokens.
+
+    Cached keys already carry their rotary positions and attention does not care where a key sits,
+    only whether the mask shows it, so moving a row's real slots next to each other changes no
+    output; it shortens the cache every later token attends to. Rows that stopped early leave pad
+    slots up to the longest generation, and short prompts leave left padding: both go.
+    """
+    k = int(mask.sum(1).max())
+    keep = torch.sort(mask.int(), dim=1, stable=True).indices[:, mask.shape[1] - k:]
+    for layer in cache.layers:
+        index = keep[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+    return keep
+
+
 class CachedGenerate:
     """`generate` that prefills nothing twice within one rollout (same interface, same results):
 
     - **Across a tool response.** A prompt that extends a row of the previous call (that row's prompt
       and generation, then the tool-response turn) continues from that row's KV cache and prefills only
-      the new tokens: MemSearcher's memory update, ReAct's next turn. Rows that finished before the
-      longest one hold pad slots in the cache; the attention mask hides them and positions follow
+      the new tokens: MemSearcher's memory update, ReAct's next turn. Pad slots (left padding, and
+      rows that finished before the longest one) are first squeezed out of the cache as far as the
+      longest row allows (`compact_cache`); the attention mask hides the rest and positions follow
       the mask (HF derives them from its cumulative sum), so every token sees what it saw before.
     - **The shared prefix.** Otherwise the prompts' common prefix (the system prompt) is prefilled
       once, kept for the rollout, and every row starts from a view of its cache; the rest of each
@@ -495,7 +513,10 @@ class CachedGenerate:
             index = torch.tensor(rows, device=device)
             self.cache.batch_select_indices(index)
             new_ids, new_mask = left_pad([p[len(self.tokens[r]):] for p, r in zip(prompts, rows)], pad, device)
-            ids, mask = torch.cat([self.sequences[index], new_ids], 1), torch.cat([self.mask[index], new_mask], 1)
+            seq, seq_mask, w = self.sequences[index], self.mask[index], self.cache.get_seq_length()
+            keep = compact_cache(self.cache, seq_mask[:, :w])  # the cached columns kept, pads first
+            ids = torch.cat([seq[:, :w].gather(1, keep), seq[:, w:], new_ids], 1)
+            mask = torch.cat([seq_mask[:, :w].gather(1, keep), seq_mask[:, w:], new_mask], 1)
             cache = self.cache
         else:  # a fresh batch: its shared prefix once, then the rest of each prompt
             p = self._prefix(model, prompts)

@@ -372,11 +372,31 @@ def test_cached_generate_equals_generate_across_a_tool_response(tiny_lm, tokeniz
     before = agent.PREFILLED_TOKENS[0]
     second = cached(model, tokenizer, follow[::-1], **kw)[::-1]  # rows may come back in any order
     new_tokens = [len(f) - len(p) - len(o.ids) for f, p, o in zip(follow, prompts, first)]
+    widest = max(len(p) + len(o.ids) for p, o in zip(prompts, first))  # the longest row, pads squeezed out
+    assert cached.cache.get_seq_length() < widest + max(new_tokens) + 24
     assert agent.PREFILLED_TOKENS[0] - before <= len(follow) * (max(new_tokens) + 1)
     for ours, theirs in ((first, reference), (second, agent.generate(model, tokenizer, follow, **kw))):
         for a, b in zip(ours, theirs):
             assert a.ids == b.ids and a.finished == b.finished
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_compact_cache_by_hand():
+    """Two rows, five cached columns; row 0 has real tokens at 1, 3 (a left pad, a hole), row 1 at
+    0, 2, 4. The cache keeps 3 columns: row 0 -> [pad, 1, 3], row 1 -> [0, 2, 4], in order."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    keys = torch.arange(2 * 5, dtype=torch.float32).view(2, 1, 5, 1).expand(2, 2, 5, 3).contiguous()
+    cache.update(keys, -keys, 0)
+    mask = torch.tensor([[0, 1, 0, 1, 0], [1, 0, 1, 0, 1]])
+    keep = agent.compact_cache(cache, mask)
+    assert keep[0, 1:].tolist() == [1, 3] and keep[1].tolist() == [0, 2, 4]
+    assert mask.gather(1, keep).tolist() == [[0, 1, 1], [1, 1, 1]]
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == 3 and layer.keys.shape == (2, 2, 3, 3)
+    assert layer.keys[0, 1, 1:, 2].tolist() == [1.0, 3.0] and layer.keys[1, 0, :, 0].tolist() == [5.0, 7.0, 9.0]
+    assert torch.equal(layer.values, -layer.keys)
 
 
 def forcing_tool_call(monkeypatch, tokenizer, forced_calls):
