@@ -168,7 +168,7 @@ class World:
         """A name from make() that no entity has yet; a one-vowel variant of `like` if possible.
         A river's or mountain's short form ("Kessa" for "Mount Kessa") is reserved too."""
         for attempt in range(500):
-            name = self.variant(like) if like and attempt < 30 else make()
+            name = (self.variant(like) if like and attempt < 30 else None) or make()
             keys = {name.lower(), name.lower().replace(" river", "").replace("mount ", "")}
             if not keys & self.used:
                 self.used |= keys
@@ -178,6 +178,8 @@ class World:
     def variant(self, name):
         first, _, rest = name.partition(" ")
         spots = [i for i, c in enumerate(first) if c.lower() in "aeiou"]
+        if not spots:  # no vowel to change ("Ystryn"): the caller makes a fresh name
+            return None
         i = self.rng.choice(spots)
         new = self.rng.choice([v for v in "aeiou" if v != first[i].lower()])
         first = first[:i] + (new.upper() if first[i].isupper() else new) + first[i + 1:]

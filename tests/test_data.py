@@ -112,6 +112,18 @@ def test_script_reproduces_committed_files(tmp_path, folder):
         assert (tmp_path / name).read_bytes() == (DATA / folder / name).read_bytes(), name
 
 
+def test_a_name_without_a_vowel_gets_a_fresh_one_not_a_crash():
+    """Seed 2 once crashed: a `like` name with no vowel to vary. Now unique() makes a fresh name."""
+    sys.path.insert(0, str(DATA))
+    import make_toy
+    import random
+
+    world = make_toy.World(random.Random(0))
+    assert world.variant("Ystryn River") is None
+    name = world.unique(lambda: "Kessa", like="Ystryn")
+    assert name == "Kessa" and "kessa" in world.used
+
+
 # ---------------------------------------------------------------------------------------------
 # Reasoning chains
 # ---------------------------------------------------------------------------------------------
