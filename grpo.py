@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,12 +142,19 @@ def prefix_states(model, prefix_ids):
     so they are the same in every row; giving every row a view of one copy changes the order of
     float additions only, and in backward the view's gradients sum into the one prefix computation,
     which is what each row's copy would have received. Activation checkpointing is off for this
-    short batch-1 pass (a checkpointed layer drops the cache it would write)."""
+    short batch-1 pass (a checkpointed layer drops the cache it would write); with grad on, the
+    pass as a whole is checkpointed instead: only its keys and values are kept, and backward runs
+    it once more, so its activations do not sit in memory for a whole update."""
     prefix_ids = torch.as_tensor(prefix_ids, device=_device(model)).view(1, -1)
-    with _layer_flags(model, gradient_checkpointing=False):
-        out = model(input_ids=prefix_ids, use_cache=True, logits_to_keep=1)
-    cache = getattr(out, "cache", None) or out.past_key_values
-    return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def run(ids):
+        with _layer_flags(model, gradient_checkpointing=False):
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        return tuple(x for layer in cache.layers for x in (layer.keys, layer.values))
+
+    flat = checkpoint(run, prefix_ids, use_reentrant=False) if torch.is_grad_enabled() else run(prefix_ids)
+    return list(zip(flat[0::2], flat[1::2]))
 
 
 def prefix_cache(states, batch: int, writable: bool = False):
