@@ -476,6 +476,8 @@ def compact_cache(cache, mask):
     output; it shortens the cache every later token attends to. Rows that stopped early leave pad
     slots up to the longest generation, and short prompts leave left padding: both go.
     """
+    if any(hasattr(layer, "cumulative_length") for layer in cache.layers):  # sliding-window layers: leave as is
+        return torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
     k = int(mask.sum(1).max())
     keep = torch.sort(mask.int(), dim=1, stable=True).indices[:, mask.shape[1] - k:]
     for layer in cache.layers:
