@@ -43,12 +43,14 @@ def cpu_name():
 
 
 def run(model, flags, steps, seed, threads):
-    out = tempfile.mkdtemp(prefix="step_time_")
+    """One train.py run in a fresh process; its GRPO rows of metrics.jsonl. Its output folder (a
+    2 GB checkpoint) is removed afterwards."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--preset", "toy", "--warm_start_steps", "0",
-           "--max_steps", str(steps), "--seed", str(seed), "--output_dir", out, "--save_every", "1000"] + flags
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    with tempfile.TemporaryDirectory(prefix="step_time_") as out:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model", model, "--preset", "toy", "--warm_start_steps", "0",
+               "--max_steps", str(steps), "--seed", str(seed), "--output_dir", out, "--save_every", "1000"] + flags
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if r["phase"] == "grpo"]
 
 
