@@ -23,7 +23,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,28 +132,28 @@ def _row_chunks(logits: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # 3b. A shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
 # ---------------------------------------------------------------------------------------------
-def prefix_states(model, prefix_ids):
+def prefix_states(model, prefix_ids, past=None, return_logits=False):
     """Run a token prefix shared by a batch's rows once (batch 1) and return its keys and values,
-    one (keys [1, heads, P, head_dim], values) pair per layer, with their graph when grad is on.
+    one (keys [1, heads, P, head_dim], values) pair per layer, with their graph when grad is on
+    (and, with `return_logits`, the logits of its last position, [1, 1, V]).
+    With `past` (the states of a shorter prefix) the tokens continue it: they attend to it, their
+    positions follow it, and the result covers both (a group's turn-1 prompt after the system's).
 
     Each row then attends to these instead of to its own copy (`token_logprobs(prefix=...)`).
     Why it is exact: in a causal model the prefix's keys and values depend on the prefix alone,
     so they are the same in every row; giving every row a view of one copy changes the order of
     float additions only, and in backward the view's gradients sum into the one prefix computation,
     which is what each row's copy would have received. Activation checkpointing is off for this
-    short batch-1 pass (a checkpointed layer drops the cache it would write); with grad on, the
-    pass as a whole is checkpointed instead: only its keys and values are kept, and backward runs
-    it once more, so its activations do not sit in memory for a whole update."""
-    prefix_ids = torch.as_tensor(prefix_ids, device=_device(model)).view(1, -1)
-
-    def run(ids):
-        with _layer_flags(model, gradient_checkpointing=False):
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        return tuple(x for layer in cache.layers for x in (layer.keys, layer.values))
-
-    flat = checkpoint(run, prefix_ids, use_reentrant=False) if torch.is_grad_enabled() else run(prefix_ids)
-    return list(zip(flat[0::2], flat[1::2]))
+    short batch-1 pass (a checkpointed layer drops the cache it would write)."""
+    ids = torch.as_tensor(prefix_ids, device=_device(model)).view(1, -1)
+    start = past[0][0].shape[-2] if past else 0
+    extra = {_cache_kwarg(model): prefix_cache(past, 1, writable=True),
+             "position_ids": torch.arange(start, start + ids.shape[1], device=ids.device)[None]} if past else {}
+    with _layer_flags(model, gradient_checkpointing=False):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    states = [(layer.keys, layer.values) for layer in cache.layers]
+    return (states, out.logits) if return_logits else states
 
 
 def prefix_cache(states, batch: int, writable: bool = False):

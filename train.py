@@ -11,6 +11,7 @@
    mini-batches of micro-batches -> metrics and checkpoints.
 """
 import argparse
+import collections
 import contextlib
 import copy
 import ctypes
@@ -92,7 +93,7 @@ HYPERPARAMETERS = [
     ("save_every", 2, 20, "checkpoint every N steps (and at the end)"),
     ("keep_checkpoints", 2, 3, "how many newest checkpoints to keep"),
     ("resume", False, False, "continue from the newest checkpoint in output_dir"),
-    ("shared_prefix", True, True, "encode the token prefix the conversations share (the system prompt) once per "
+    ("shared_prefix", True, True, "encode the token prefixes the conversations share (the system prompt; a group's turn-1 prompt) once per "
      "log-prob pass and per update, not once per conversation (exact; README)"),
     ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (toy: peak 6.6 -> 5.0 GB, "
      "update +8%, README)"),
@@ -218,24 +219,52 @@ def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_ent
     return out, f
 
 
-def encode_prefix(model, conversations, p):
-    ENCODED_TOKENS[0] += p
-    return p, grpo.prefix_states(model, conversations[0].prompt_ids[:p]) if p else None
+def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
+    """The prefixes a pass encodes once (`grpo.prefix_states`), as {key: (length, states)}: key ()
+    holds the p tokens all conversations share (the system prompt); then each whole prompt that
+    the rows of two or more conversations in micro-batches of that prompt alone share (a group's
+    turn-1 prompt: system, question, empty memory), less its last token, continued from the
+    first, under its tuple of ids. Also returns the sum of the passes' last logits. {} when p is
+    None (off). `first_model`: the module the first pass goes through (default `model`); `count`:
+    add the tokens to ENCODED_TOKENS."""
+    if p is None:
+        return {}, 0.0
+    uses = collections.Counter()
+    for micro in micro_batches:
+        prompts = {tuple(c.prompt_ids) for c in micro}
+        if len(prompts) == 1:
+            uses[prompts.pop()] += len(micro)
+    passes = ([((), micro_batches[0][0].prompt_ids[:p])] if p else []) + \
+        [(k, k[p:-1]) for k, n in uses.items() if n > 1 and len(k) - 1 > p]
+    prefixes, logits = {}, 0.0
+    for i, (key, ids) in enumerate(passes):
+        states, last = grpo.prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
+                                          past=prefixes[()][1] if key and p else None)
+        prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
+    ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
+    return prefixes, logits
+
+
+def prefix_key(prefixes, micro):
+    """The key of the longest encoded prefix that every row of `micro` starts with."""
+    prompts = {tuple(c.prompt_ids) for c in micro}
+    return prompts.pop() if len(prompts) == 1 and prompts <= prefixes.keys() else ()
 
 
 @torch.no_grad()
 def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
     """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
     order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
-    prefix all the conversations share is encoded once for the whole pass."""
+    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
     was_training = model.training
     model.eval()
-    prefix = encode_prefix(model, conversations, common_prefix(conversations) if shared_prefix and conversations else 0)
     order = sorted(range(len(conversations)), key=lambda k: len(conversations[k]))
+    chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
+    prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
     result = [None] * len(conversations)
-    for s in range(0, len(order), micro_batch_size):
-        chunk = [conversations[k] for k in order[s:s + micro_batch_size]]
-        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature, prefix=prefix)
+    for s, chunk in zip(range(0, len(order), micro_batch_size), chunks):
+        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature,
+                               prefix=prefixes.get(prefix_key(prefixes, chunk), (0, None)))
         lp = lp.float().cpu()
         for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
             result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
@@ -250,43 +279,52 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     weighs the same wherever it lands: `loss_fn(logprobs, entropy, f, num_tokens)` divides by
     num_tokens = (trained tokens on all ranks) / world, since DDP averages gradients over ranks.
 
-    With --shared_prefix the prefix the rank's conversations share is encoded once per update, with
-    grad (`grpo.prefix_states`). Micro-batches but the last attend to a detached copy of its states
-    S, whose gradient G collects theirs; the last attends to S itself and adds sum(S * G), whose
-    gradient with respect to S is G, so the one backward through the prefix (and DDP's all-reduce,
-    on that last pass) carries every micro-batch's share. Not under FSDP or an fp16 loss scaler.
+    With --shared_prefix the prefixes the rank's conversations share are encoded once per update
+    (`encode_prefixes`), without grad; every micro-batch attends to their states S, leaves whose
+    gradient G collects the micro-batches' shares. A last pass runs them again with grad and
+    backpropagates sum(S * G), whose gradient with respect to S is G: the weights receive every
+    micro-batch's share through the one prefix computation. It comes after the micro-batches, so
+    its activations never share memory with theirs. It is the backward DDP all-reduces on (its
+    first pass goes through the DDP module, once on every rank, and the passes' last logits join at
+    weight 0, so that every weight takes part). Not under FSDP or an fp16 loss scaler.
     Returns (grad norm, summed loss, metrics summed weighted by tokens, tokens on this rank)."""
     device = accelerator.device
-    stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), math.ceil(len(mini) / args.micro_batch_size)],
-                         device=device, dtype=torch.float64)
-    global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
-    n_micro = int(accelerator.reduce(stats[1:].clone(), "max").item())
-    total_loss, sums, tokens = 0.0, {}, 0.0
     precision = accelerator.autocast if autocast else contextlib.nullcontext
     shared = (getattr(args, "shared_prefix", False) and accelerator.distributed_type != DistributedType.FSDP
               and accelerator.scaler is None)
-    p = common_prefix(mini + fallback) if shared else 0
-    with precision():  # through the plain module: DDP's all-reduce waits for the last micro-batch's backward
-        p, states = encode_prefix(accelerator.unwrap_model(model, keep_fp32_wrapper=True), mini or fallback, p)
-    copies = [tuple(x.detach().requires_grad_() for x in kv) for kv in states] if p else None
-    for u in range(n_micro):
-        micro = mini[u * args.micro_batch_size:(u + 1) * args.micro_batch_size]
-        weight = 1.0 if micro else 0.0
-        last = u == n_micro - 1
-        sync = accelerator.no_sync(model) if not last else contextlib.nullcontext()
-        with sync, precision():  # grads all-reduced on the last pass
-            out, f = micro_logprobs(model, micro or fallback, pad_id, device, ("loss_mask",) + fields, temperature,
-                                    return_entropy, prefix=(p, states if last else copies))
+    p, m = common_prefix(mini + fallback) if shared else None, args.micro_batch_size
+    chunks = [mini[i:i + m] for i in range(0, len(mini), m)]
+    with precision(), torch.no_grad():
+        prefixes, _ = encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True), chunks or [fallback], p)
+    stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), len(chunks), not prefixes], device=device, dtype=torch.float64)
+    global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
+    n_micro, unshared = (int(x) for x in accelerator.reduce(stats[1:].clone(), "max").tolist())
+    prefixes = {} if unshared else prefixes  # prefixes on every rank, or on none
+    for _, states in prefixes.values():
+        for x in (x for kv in states for x in kv):
+            x.requires_grad_()
+    micro_batches = (chunks + [fallback] * n_micro)[:n_micro]  # a rank with fewer passes adds some of weight 0
+    total_loss, sums, tokens = 0.0, {}, 0.0
+    for u, micro in enumerate(micro_batches):
+        weight = 1.0 if u < len(chunks) else 0.0
+        synced = u == n_micro - 1 and not prefixes  # DDP all-reduces on this backward (else on the prefixes')
+        with contextlib.nullcontext() if synced else accelerator.no_sync(model), precision():
+            out, f = micro_logprobs(model, micro, pad_id, device, ("loss_mask",) + fields, temperature, return_entropy,
+                                    prefix=prefixes.get(prefix_key(prefixes, micro), (0, None)))
             f["loss_mask"] = f["loss_mask"] * weight
             logprobs, entropy = out if return_entropy else (out, None)
             loss, metrics = loss_fn(logprobs, entropy, f, max(global_tokens, 1.0) / accelerator.num_processes)
-            earlier = [(s * c.grad).sum() for kv, ckv in zip(states, copies) for s, c in zip(kv, ckv)
-                       if c.grad is not None] if p and last else []
-            accelerator.backward(loss + sum(earlier))
+            accelerator.backward(loss)
         n_here = float(f["loss_mask"].sum())
         total_loss, tokens = total_loss + loss.item(), tokens + n_here
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * n_here
+    if prefixes and n_micro:
+        with precision():
+            again, logits = encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True), chunks or [fallback],
+                                            p, first_model=model, count=False)
+            accelerator.backward(0.0 * logits + sum((s * s0.grad).sum() for k in prefixes for kv, kv0 in
+                                                    zip(again[k][1], prefixes[k][1]) for s, s0 in zip(kv, kv0) if s0.grad is not None))
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))  # the same on every rank
     if math.isfinite(grad_norm):
         optimizer.step()

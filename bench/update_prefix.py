@@ -48,6 +48,14 @@ def setup(args):
     return accelerator, model, optimizer, tokenizer, conversations
 
 
+def rss(field):
+    """VmRSS or VmHWM of this process, GB (Linux); the lifetime maximum elsewhere."""
+    try:
+        return int(open("/proc/self/status").read().split(field + ":")[1].split()[0]) / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def update(accelerator, model, optimizer, tokenizer, conversations, args, shared):
     import train
 
@@ -70,9 +78,13 @@ def main():
     ap.add_argument("--only", choices=["plain", "shared"], help=argparse.SUPPRESS)  # one update, for its peak memory
     args = ap.parse_args()
     state = setup(args)
-    if args.only:
+    if args.only:  # the update's own peak: the high-water mark reset after loading (Linux), less the memory before it
+        before = rss("VmRSS")
+        reset = os.path.exists("/proc/self/clear_refs")
+        if reset:
+            open("/proc/self/clear_refs", "w").write("5")
         update(*state, args, args.only == "shared")
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # KB on Linux -> GB
+        print(rss("VmHWM") - (before if reset else 0))
         return
     seconds = {False: [], True: []}
     for _ in range(args.reps):

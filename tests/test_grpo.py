@@ -224,7 +224,8 @@ def _prefixed(prefix_len, lengths, seed=5):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("lengths", [(7, 11, 5), (9, 9, 9)])  # mixed lengths (left padding after the prefix), equal
-def test_shared_prefix_equals_plain_forward(tiny_llama, checkpointing, lengths):
+@pytest.mark.parametrize("split", [None, 5])  # the prefix in one pass, or 3 tokens continued from the first 5 (`past`)
+def test_shared_prefix_equals_plain_forward(tiny_llama, checkpointing, lengths, split):
     """Scored: each row's last 4 tokens (every row keeps a token of its own before them)."""
     from grpo import prefix_states
 
@@ -239,8 +240,11 @@ def test_shared_prefix_equals_plain_forward(tiny_llama, checkpointing, lengths):
     weights = torch.randn(3, 4, generator=g)
     plain = token_logprobs(model, ids, mask, 0.7, response_start=ids.shape[1] - 4, return_entropy=True)
     grads = _grads(model, [plain[0][:, -4:] * weights, plain[1][:, -4:]])
+    states = prefix_states(model, prefix) if split is None else \
+        prefix_states(model, prefix[split:], past=prefix_states(model, prefix[:split]))
+    assert [tuple(k.shape) for k, _ in states] == [tuple(k.shape) for k, _ in prefix_states(model, prefix)]
     shared = token_logprobs(model, suffix_ids, suffix_mask, 0.7, response_start=suffix_ids.shape[1] - 4,
-                            return_entropy=True, prefix=prefix_states(model, prefix))
+                            return_entropy=True, prefix=states)
     assert (shared[0][:, :-4] == 0).all()
     for a, b in zip(plain, shared):
         torch.testing.assert_close(b[:, -4:], a[:, -4:], rtol=0, atol=1e-5)

@@ -3,6 +3,7 @@ runs (torchrun, gloo) under DDP and FSDP."""
 import json
 import math
 import os
+import random
 import re
 import socket
 import subprocess
@@ -65,6 +66,53 @@ def test_shared_prefix_step_equals_plain(tiny_lm_dir, small_corpus, tiny_encoder
     a, b = state(tmp_path / "plain" / "checkpoint-1"), state(tmp_path / "shared" / "checkpoint-1")
     for k in a:  # AdamW divides by each gradient's own scale: float order shows as ~0.1% of a 1e-3 step
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+SYSTEM, QA, QB, M1, M2 = list(range(11, 21)), [101] * 5, [201] * 5, [301] * 7, [401] * 7  # 10, 5, 5, 7, 7 tokens
+SHARING = {  # the 7 prompts of an update, and the tokens encoded at micro-batch 1 (plain: 148 in the first case)
+    "turn-1 prompts": ([SYSTEM + QA] * 3 + [SYSTEM + QB] * 2 + [SYSTEM + M1, SYSTEM + M2],
+                       10 + 2 * 4 + (5 + 6 + 7) + (8 + 9) + (11 + 12)),  # system once, each group's question once
+    "system prompt": ([SYSTEM + [101 + 100 * k] * 5 for k in range(5)] + [SYSTEM + M1, SYSTEM + M2], 148 - 6 * 10),
+    "nothing": ([[101 + 100 * k] * 5 for k in range(5)] + [M1, M2], 148 - 7 * 10),
+    "turn-1 prompts only": ([QA + SYSTEM] * 3 + [QB + SYSTEM] * 2 + [M1 + SYSTEM, M2 + SYSTEM],
+                            2 * 14 + (5 + 6 + 7) + (8 + 9) + (21 + 22)),  # no common prefix, whole prompts shared
+}
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+@pytest.mark.parametrize("sharing", list(SHARING))
+def test_shared_prefix_update_equals_plain(tiny_lm, micro_batch_size, sharing):
+    """One optimizer update (SGD, lr 1: the parameters move by minus the gradient) over 7
+    conversations of mixed lengths and prefixes, with the shared prefixes (`encode_prefixes`) and
+    without: the same parameters after (float32, 1e-5), and at micro-batch 1 the hand-counted
+    tokens (a row keeps its prompt's last token: a shared 15-token prompt saves 14)."""
+    import copy
+    import types
+
+    from accelerate import Accelerator
+
+    prompts, expected = SHARING[sharing]
+    rng = random.Random(0)
+    conversations = []
+    for prompt, n in zip(prompts, (4, 5, 6, 7, 8, 4, 5)):
+        conversations.append(agent.Conversation(prompt_ids=list(prompt)))
+        conversations[-1].append([rng.randrange(3, 500) for _ in range(n)], trained=True)
+    nll = lambda logprobs, entropy, f, n: (-(logprobs * f["loss_mask"]).sum() / n, {})  # noqa: E731
+    after, encoded = {}, {}
+    for shared in (False, True):
+        model = copy.deepcopy(tiny_lm).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        config = types.SimpleNamespace(micro_batch_size=micro_batch_size, shared_prefix=shared, grad_clip=1e9)
+        train.ENCODED_TOKENS[0] = 0
+        train.optimizer_update(Accelerator(cpu=True), model, optimizer, sorted(conversations, key=len),
+                               conversations[:1], 2, config, (), nll, return_entropy=True)
+        after[shared], encoded[shared] = model.state_dict(), train.ENCODED_TOKENS[0]
+    if micro_batch_size == 1:  # (larger micro-batches also encode their padding)
+        assert (encoded[False], encoded[True]) == (sum(map(len, conversations)), expected)
+    moved = max(float((after[False][k] - v).abs().max()) for k, v in tiny_lm.state_dict().items())
+    assert moved > 1e-3
+    for k, v in after[False].items():
+        torch.testing.assert_close(after[True][k], v, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
