@@ -335,6 +335,23 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     return grad_norm, total_loss, sums, tokens
 
 
+def peak_memory(reset=False):
+    """Peak memory in GB: the GPU's allocated peak, or (Linux) the process's resident high-water
+    mark, VmHWM; with `reset` the mark restarts from here, so that one phase can be measured."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return peak / 2**30
+    try:
+        peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+        if reset:
+            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident size
+        return peak / 2**30
+    except (OSError, IndexError):
+        return 0.0
+
+
 def release_freed_memory():
     """Hand freed CPU memory back to the OS (glibc `malloc_trim`). The varying shapes of conversations
     fragment glibc's heap, so its resident size only grows: in a probe of 6 updates of 8 conversations
@@ -673,7 +690,7 @@ def main(argv=None, generate_fn=None):
 
         # --- PPO epochs: mini-batches of mini_batch_size x G conversations (one optimizer update
         # each, in rollout order, as released), each a series of micro-batches ----------------------
-        t0 = time.time()
+        t0, peak_before = time.time(), peak_memory(reset=True)  # the rollout's and log-prob passes' peak
         model.train()
         n_all = accelerator.reduce(torch.tensor(float(len(conversations)), device=device), "sum").item()
         n_mini = math.ceil(n_all / (args.mini_batch_size * args.group_size))  # the same on every rank (0: all skipped)
@@ -704,7 +721,7 @@ def main(argv=None, generate_fn=None):
                     sums[key] += metrics[key]
                 grad_norms.append(grad_norm)
                 skipped += not math.isfinite(grad_norm)
-        t_update = time.time() - t0
+        t_update, peak_update = time.time() - t0, peak_memory(reset=True)
 
         # --- metrics over all ranks, samples, checkpoint ---------------------------------------
         em = [agent.exact_match(t.prediction, t.golden_answers) for t in trajectories]
@@ -722,9 +739,6 @@ def main(argv=None, generate_fn=None):
             accelerator.reduce(local, "sum").tolist()
         ctx_max = accelerator.reduce(torch.tensor(float(max(ctx)), device=device), "max").item()
         n, tok = total[0], max(total[10], 1)
-        peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available() else
-                int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-                if os.path.exists("/proc/self/status") else 0)
         row = {"phase": "grpo", "step": step + 1, "reward": total[1] / n, "em": total[2] / n, "f1": total[3] / n, "format_valid": total[4] / n,
                "turns": total[5] / n, "searches": total[6] / n, "conversations_per_trajectory": total[7] / n,
                "context_tokens_mean": total[8] / max(total[9], 1), "context_tokens_max": ctx_max, "trained_tokens": total[10],
@@ -735,7 +749,7 @@ def main(argv=None, generate_fn=None):
                "equal_reward_groups": equal_groups / n_groups, "skipped_trajectories": skipped_trajectories,
                "old_logprob_gap": accelerator.reduce(torch.tensor(gap, device=device), "max").item(),
                "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference,
-               "seconds_update": t_update, "peak_memory_gb": peak / 2**30,
+               "seconds_update": t_update, "peak_memory_gb": max(peak_before, peak_update), "peak_update_gb": peak_update,
                "encoded_tokens": accelerator.reduce(torch.tensor(float(ENCODED_TOKENS[0]), device=device), "sum").item()}
         log(row)
         if accelerator.is_main_process:

@@ -19,7 +19,8 @@ Runs `train.py --warm_start_steps 0 --max_steps N --seed S` twice:
             old log-probs then recomputed; no KL reference; equal-reward groups skipped; the oracle
             in unsolved groups; evidence credit; micro-batches of 1 with activation checkpointing)
 and prints, per configuration and as recipe / released ratios: seconds of rollout, log-prob passes
-(old + reference) and update, the step time, the peak memory of the process (VmHWM), and the
+(old + reference) and update, the step time, the peak memory of the step and of its update alone
+(VmHWM, reset before the update; `train.peak_memory`), and the
 trajectories and trained tokens the update saw. Rollouts differ between the two (another
 precision samples other tokens), so the step times compare whole steps, as a user meets them.
 
@@ -93,6 +94,7 @@ def main():
              ("step", step_seconds),
              ("encoded tokens", lambda r: r.get("encoded_tokens", 0)),
              ("peak memory GB", lambda r: r["peak_memory_gb"]),
+             ("update's peak GB", lambda r: r.get("peak_update_gb", 0)),
              ("oracle trajectories", lambda r: r["oracle_trajectories"]),
              ("trajectories skipped", lambda r: r["skipped_trajectories"]),
              ("trained tokens", lambda r: r["trained_tokens"]),

@@ -19,7 +19,7 @@ import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
            "context_tokens_mean", "context_tokens_max", "trained_tokens", "loss", "kl", "clip_frac", "entropy",
-           "grad_norm", "updates", "lr", "seconds_rollout", "seconds_reference", "seconds_update", "peak_memory_gb"}
+           "grad_norm", "updates", "lr", "seconds_rollout", "seconds_reference", "seconds_update", "peak_memory_gb", "peak_update_gb"}
 
 
 @pytest.fixture(scope="module")
