@@ -9,7 +9,9 @@ per-token PPO objective with its own loss mask.
     1. group_advantages      A_i  = (R_i - mean(R_group)) / (std(R_group) + eps)
     2. propagate_advantages  A_ij = A_i
     3. token_logprobs        log pi(x_t | x_<t), memory-lean (never a float32 [B, L, V] copy),
-                             optionally after a shared prefix encoded once (prefix_states)
+                             optionally after a shared prefix encoded once (prefix_states);
+                             conversations padded into micro-batches, the prefixes they share
+                             found and encoded once per pass (encode_prefixes, response_logprobs)
     4. policy_loss           clipped surrogate (dual clip) + kl_coef * KL(k3) - entropy bonus
 
 Pure tensor math: this file imports torch and the standard library only (and, lazily, the cache
@@ -17,8 +19,8 @@ class of transformers for the shared prefix).
 """
 from __future__ import annotations
 
+import collections
 import inspect
-from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
@@ -42,7 +44,7 @@ def group_advantages(rewards, group_ids, eps: float = 1e-6) -> torch.Tensor:
         group_ids = group_ids.tolist()
     if len(group_ids) != len(rewards):
         raise ValueError(f"{len(rewards)} rewards but {len(group_ids)} group ids")
-    members = defaultdict(list)
+    members = collections.defaultdict(list)
     for i, g in enumerate(group_ids):
         members[g].append(i)
     advantages = torch.zeros_like(rewards)
@@ -250,6 +252,102 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *
     if not return_entropy:
         return logp
     return logp, F.pad(entropy.view(B, keep)[:, :-1], (start, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3c. Conversations into micro-batches: padding, the shared prefixes, log-prob passes
+# ---------------------------------------------------------------------------------------------
+def pad_batch(conversations, pad_id, device, fields=(), skip=0):
+    """Left-pad prompt+response (less its first `skip` tokens, a shared prefix); returns input_ids,
+    attention_mask, response_start, and each per-response-token field (e.g. loss_mask, old logprobs)
+    right-aligned to [B, L]."""
+    seqs = [(c.prompt_ids + c.response_ids)[skip:] for c in conversations]
+    width = max(map(len, seqs))
+    response_start = width - max(len(c.response_ids) for c in conversations)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    out = {name: torch.zeros((len(seqs), width), dtype=torch.float32) for name in fields}
+    for i, (s, c) in enumerate(zip(seqs, conversations)):
+        ids[i, width - len(s):] = torch.tensor(s)
+        attn[i, width - len(s):] = 1
+        for name in fields:
+            out[name][i, width - len(c.response_ids):] = torch.as_tensor(getattr(c, name), dtype=torch.float32)
+    return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
+
+
+def common_prefix(conversations) -> int:
+    """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
+    least the system prompt), kept one short of the shortest prompt so that each row scores its
+    first response token from a token of its own."""
+    prompts = [c.prompt_ids for c in conversations]
+    n = min(map(len, prompts)) - 1
+    return next((k for k in range(n) if any(p[k] != prompts[0][k] for p in prompts)), max(n, 0))
+
+
+ENCODED_TOKENS = [0]  # token positions run through a model by the log-prob passes (padding and prefixes included)
+
+
+def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefix=(0, None)):
+    """token_logprobs of one micro-batch, after a shared prefix (p tokens, its states) when p > 0."""
+    p, states = prefix
+    ids, attn, start, f = pad_batch(micro, pad_id, device, fields, skip=p)
+    ENCODED_TOKENS[0] += ids.numel()
+    out = token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy,
+                         prefix=states if p else None)
+    return out, f
+
+
+def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
+    """The prefixes a pass encodes once (`prefix_states`), as {key: (length, states)}: key ()
+    holds the p tokens all conversations share (the system prompt); then each whole prompt that
+    the rows of two or more conversations in micro-batches of that prompt alone share (a group's
+    turn-1 prompt: system, question, empty memory), less its last token, continued from the
+    first, under its tuple of ids. Also returns the sum of the passes' last logits. {} when p is
+    None (off). `first_model`: the module the first pass goes through (default `model`); `count`:
+    add the tokens to ENCODED_TOKENS."""
+    if p is None:
+        return {}, 0.0
+    uses = collections.Counter()
+    for micro in micro_batches:
+        prompts = {tuple(c.prompt_ids) for c in micro}
+        if len(prompts) == 1:
+            uses[prompts.pop()] += len(micro)
+    passes = ([((), micro_batches[0][0].prompt_ids[:p])] if p else []) + \
+        [(k, k[p:-1]) for k, n in uses.items() if n > 1 and len(k) - 1 > p]
+    prefixes, logits = {}, 0.0
+    for i, (key, ids) in enumerate(passes):
+        states, last = prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
+                                          past=prefixes[()][1] if key and p else None)
+        prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
+    ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
+    return prefixes, logits
+
+
+def prefix_key(prefixes, micro):
+    """The key of the longest encoded prefix that every row of `micro` starts with."""
+    prompts = {tuple(c.prompt_ids) for c in micro}
+    return prompts.pop() if len(prompts) == 1 and prompts <= prefixes.keys() else ()
+
+
+@torch.no_grad()
+def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
+    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
+    order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
+    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k]))
+    chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
+    prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
+    result = [None] * len(conversations)
+    for s, chunk in zip(range(0, len(order), micro_batch_size), chunks):
+        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature,
+                               prefix=prefixes.get(prefix_key(prefixes, chunk), (0, None)))
+        lp = lp.float().cpu()
+        for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
+            result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
+    model.train(was_training)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------

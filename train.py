@@ -11,7 +11,6 @@
    mini-batches of micro-batches -> metrics and checkpoints.
 """
 import argparse
-import collections
 import contextlib
 import copy
 import ctypes
@@ -177,101 +176,8 @@ def check_config(args, world_size, distributed_type=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Helpers: padding conversations into micro-batches, log-probs, checkpoints
+# 3. Helpers: the optimizer update, the warm start, checkpoints
 # ---------------------------------------------------------------------------------------------
-def pad_batch(conversations, pad_id, device, fields=(), skip=0):
-    """Left-pad prompt+response (less its first `skip` tokens, a shared prefix); returns input_ids,
-    attention_mask, response_start, and each per-response-token field (e.g. loss_mask, old logprobs)
-    right-aligned to [B, L]."""
-    seqs = [(c.prompt_ids + c.response_ids)[skip:] for c in conversations]
-    width = max(map(len, seqs))
-    response_start = width - max(len(c.response_ids) for c in conversations)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    out = {name: torch.zeros((len(seqs), width), dtype=torch.float32) for name in fields}
-    for i, (s, c) in enumerate(zip(seqs, conversations)):
-        ids[i, width - len(s):] = torch.tensor(s)
-        attn[i, width - len(s):] = 1
-        for name in fields:
-            out[name][i, width - len(c.response_ids):] = torch.as_tensor(getattr(c, name), dtype=torch.float32)
-    return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
-
-
-def common_prefix(conversations) -> int:
-    """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
-    least the system prompt), kept one short of the shortest prompt so that each row scores its
-    first response token from a token of its own."""
-    prompts = [c.prompt_ids for c in conversations]
-    n = min(map(len, prompts)) - 1
-    return next((k for k in range(n) if any(p[k] != prompts[0][k] for p in prompts)), max(n, 0))
-
-
-ENCODED_TOKENS = [0]  # token positions run through a model by the log-prob passes (padding and prefixes included)
-
-
-def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefix=(0, None)):
-    """token_logprobs of one micro-batch, after a shared prefix (p tokens, its states) when p > 0."""
-    p, states = prefix
-    ids, attn, start, f = pad_batch(micro, pad_id, device, fields, skip=p)
-    ENCODED_TOKENS[0] += ids.numel()
-    out = grpo.token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy,
-                              prefix=states if p else None)
-    return out, f
-
-
-def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
-    """The prefixes a pass encodes once (`grpo.prefix_states`), as {key: (length, states)}: key ()
-    holds the p tokens all conversations share (the system prompt); then each whole prompt that
-    the rows of two or more conversations in micro-batches of that prompt alone share (a group's
-    turn-1 prompt: system, question, empty memory), less its last token, continued from the
-    first, under its tuple of ids. Also returns the sum of the passes' last logits. {} when p is
-    None (off). `first_model`: the module the first pass goes through (default `model`); `count`:
-    add the tokens to ENCODED_TOKENS."""
-    if p is None:
-        return {}, 0.0
-    uses = collections.Counter()
-    for micro in micro_batches:
-        prompts = {tuple(c.prompt_ids) for c in micro}
-        if len(prompts) == 1:
-            uses[prompts.pop()] += len(micro)
-    passes = ([((), micro_batches[0][0].prompt_ids[:p])] if p else []) + \
-        [(k, k[p:-1]) for k, n in uses.items() if n > 1 and len(k) - 1 > p]
-    prefixes, logits = {}, 0.0
-    for i, (key, ids) in enumerate(passes):
-        states, last = grpo.prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
-                                          past=prefixes[()][1] if key and p else None)
-        prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
-    ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
-    return prefixes, logits
-
-
-def prefix_key(prefixes, micro):
-    """The key of the longest encoded prefix that every row of `micro` starts with."""
-    prompts = {tuple(c.prompt_ids) for c in micro}
-    return prompts.pop() if len(prompts) == 1 and prompts <= prefixes.keys() else ()
-
-
-@torch.no_grad()
-def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
-    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
-    order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
-    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
-    was_training = model.training
-    model.eval()
-    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k]))
-    chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
-    prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
-    result = [None] * len(conversations)
-    for s, chunk in zip(range(0, len(order), micro_batch_size), chunks):
-        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature,
-                               prefix=prefixes.get(prefix_key(prefixes, chunk), (0, None)))
-        lp = lp.float().cpu()
-        for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
-            result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
-    model.train(was_training)
-    return result
-
-
 def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args, fields, loss_fn,
                      temperature=1.0, return_entropy=True, autocast=True):
     """One optimizer update over `mini` (this rank's conversations), accumulated over micro-batches.
@@ -280,7 +186,7 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     num_tokens = (trained tokens on all ranks) / world, since DDP averages gradients over ranks.
 
     With --shared_prefix the prefixes the rank's conversations share are encoded once per update
-    (`encode_prefixes`), without grad; every micro-batch attends to their states S, leaves whose
+    (`grpo.encode_prefixes`), without grad; every micro-batch attends to their states S, leaves whose
     gradient G collects the micro-batches' shares. A last pass runs them again with grad and
     backpropagates sum(S * G), whose gradient with respect to S is G: the weights receive every
     micro-batch's share through the one prefix computation. It comes after the micro-batches, so
@@ -292,10 +198,11 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     precision = accelerator.autocast if autocast else contextlib.nullcontext
     shared = (getattr(args, "shared_prefix", False) and accelerator.distributed_type != DistributedType.FSDP
               and accelerator.scaler is None)
-    p, m = common_prefix(mini + fallback) if shared else None, args.micro_batch_size
+    p, m = grpo.common_prefix(mini + fallback) if shared else None, args.micro_batch_size
     chunks = [mini[i:i + m] for i in range(0, len(mini), m)]
     with precision(), torch.no_grad():
-        prefixes, _ = encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True), chunks or [fallback], p)
+        prefixes, _ = grpo.encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True),
+                                           chunks or [fallback], p)
     stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), len(chunks), not prefixes], device=device, dtype=torch.float64)
     global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
     n_micro, unshared = (int(x) for x in accelerator.reduce(stats[1:].clone(), "max").tolist())
@@ -309,8 +216,8 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
         weight = 1.0 if u < len(chunks) else 0.0
         synced = u == n_micro - 1 and not prefixes  # DDP all-reduces on this backward (else on the prefixes')
         with contextlib.nullcontext() if synced else accelerator.no_sync(model), precision():
-            out, f = micro_logprobs(model, micro, pad_id, device, ("loss_mask",) + fields, temperature, return_entropy,
-                                    prefix=prefixes.get(prefix_key(prefixes, micro), (0, None)))
+            out, f = grpo.micro_logprobs(model, micro, pad_id, device, ("loss_mask",) + fields, temperature,
+                                         return_entropy, prefix=prefixes.get(grpo.prefix_key(prefixes, micro), (0, None)))
             f["loss_mask"] = f["loss_mask"] * weight
             logprobs, entropy = out if return_entropy else (out, None)
             loss, metrics = loss_fn(logprobs, entropy, f, max(global_tokens, 1.0) / accelerator.num_processes)
@@ -321,10 +228,11 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
             sums[key] = sums.get(key, 0.0) + value * n_here
     if prefixes and n_micro:
         with precision():
-            again, logits = encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True), chunks or [fallback],
-                                            p, first_model=model, count=False)
-            accelerator.backward(0.0 * logits + sum((s * s0.grad).sum() for k in prefixes for kv, kv0 in
-                                                    zip(again[k][1], prefixes[k][1]) for s, s0 in zip(kv, kv0) if s0.grad is not None))
+            again, logits = grpo.encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True),
+                                                 chunks or [fallback], p, first_model=model, count=False)
+            pairs = [(s, s0.grad) for k in prefixes for kv, kv0 in zip(again[k][1], prefixes[k][1])
+                     for s, s0 in zip(kv, kv0) if s0.grad is not None]
+            accelerator.backward(0.0 * logits + sum((s * g).sum() for s, g in pairs))
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))  # the same on every rank
     if math.isfinite(grad_norm):
         optimizer.step()
@@ -630,7 +538,7 @@ def main(argv=None, generate_fn=None):
     for step in bar:
         # --- rollout: this rank's share of the step's questions, G trajectories each ----------
         t0 = time.time()
-        ENCODED_TOKENS[0] = 0
+        grpo.ENCODED_TOKENS[0] = 0
         batch = step_questions(questions, step, args.batch_size, args.seed)
         share = args.batch_size // world
         mine = batch[rank * share:(rank + 1) * share]
@@ -673,14 +581,14 @@ def main(argv=None, generate_fn=None):
         with accelerator.autocast():  # the same precision as the update's forward passes
             recorded = [recorded_old and id(group[i]) not in oracle_made for i in owner]  # the oracle's: recomputed
             recompute = [c for c, r in zip(conversations, recorded) if not r]
-            fresh = iter(response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size, args.temperature,
-                                            args.shared_prefix)
+            fresh = iter(grpo.response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size,
+                                                 args.temperature, args.shared_prefix)
                          if recompute else [])
             old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
             gap = max((float((torch.tensor(c.logprobs) - o).abs().mul(torch.tensor(c.loss_mask)).max()) for i, c, o
                        in zip(owner, conversations, old) if id(group[i]) not in oracle_made and c.loss_mask), default=0.0)
-            ref = (response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size, args.temperature,
-                                     args.shared_prefix)
+            ref = (grpo.response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size,
+                                          args.temperature, args.shared_prefix)
                    if reference is not None else None)
         t_reference = time.time() - t0
         for k, c in enumerate(conversations):  # attach what the update reads, per conversation
@@ -750,7 +658,7 @@ def main(argv=None, generate_fn=None):
                "old_logprob_gap": accelerator.reduce(torch.tensor(gap, device=device), "max").item(),
                "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference,
                "seconds_update": t_update, "peak_memory_gb": max(peak_before, peak_update), "peak_update_gb": peak_update,
-               "encoded_tokens": accelerator.reduce(torch.tensor(float(ENCODED_TOKENS[0]), device=device), "sum").item()}
+               "encoded_tokens": accelerator.reduce(torch.tensor(float(grpo.ENCODED_TOKENS[0]), device=device), "sum").item()}
         log(row)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:

@@ -18,9 +18,9 @@ bench/rollout.py (a search every turn, real default retriever, top_n 5, memory =
 
 One update, exactly as train.py does it with one mini-batch holding every conversation (each
 variant in a fresh process, so peaks do not mix):
-  1. old log-probs without grad (`train.response_logprobs`, micro-batches);
+  1. old log-probs without grad (`grpo.response_logprobs`, micro-batches);
   2. forward + backward of `grpo.token_logprobs` (with entropy) + `grpo.policy_loss` over every
-     trained token, conversations sorted by length and cut into micro-batches (`train.pad_batch`),
+     trained token, conversations sorted by length and cut into micro-batches (`grpo.pad_batch`),
      losses summed with the batch's token count (token-mean over the batch);
   3. gradient clipping (1.0) and one AdamW step (its state is created here, as in a first step).
 Advantages are fixed (+1/-1 alternating per trajectory, copied to its conversations); no
@@ -50,7 +50,6 @@ sys.path.insert(0, ROOT)  # before bench/ (which has its own retriever.py and gr
 import agent  # noqa: E402
 import grpo  # noqa: E402
 import retriever  # noqa: E402
-import train  # noqa: E402
 
 
 def import_bench_rollout():
@@ -144,10 +143,10 @@ def one_update(model, optimizer, conversations, pad_id, device, args, temperatur
     t = time.perf_counter()  # 1. old log-probs, no grad (train.py: batch order, micro_batch_size at a time)
     batches = micro_batches(conversations, args.micro_batch_size, args.micro_batch_tokens)
     if args.micro_batch_tokens:  # the same token-sized micro-batches as the update
-        pairs = [(c, lp) for b in batches for c, lp in zip(b, train.response_logprobs(
+        pairs = [(c, lp) for b in batches for c, lp in zip(b, grpo.response_logprobs(
             model, b, pad_id, device, len(b), temperature))]
     else:
-        pairs = zip(conversations, train.response_logprobs(model, conversations, pad_id, device,
+        pairs = zip(conversations, grpo.response_logprobs(model, conversations, pad_id, device,
                                                            args.micro_batch_size, temperature))
     for c, lp in pairs:
         c.old_logprobs = lp.tolist()
@@ -159,7 +158,7 @@ def one_update(model, optimizer, conversations, pad_id, device, args, temperatur
     num_tokens = sum(sum(c.loss_mask) for c in conversations)
     padded = widest = 0
     for micro in batches:
-        ids, attn, start, f = train.pad_batch(micro, pad_id, device, ("loss_mask", "old_logprobs", "advantages"))
+        ids, attn, start, f = grpo.pad_batch(micro, pad_id, device, ("loss_mask", "old_logprobs", "advantages"))
         padded, widest = padded + ids.numel(), max(widest, ids.numel())
         logprobs, entropy = grpo.token_logprobs(model, ids, attn, temperature, response_start=start,
                                                 return_entropy=True)

@@ -1,6 +1,7 @@
 """Benchmark: one optimizer update (`train.optimizer_update`) with and without the shared prefix,
 alternating in one process so both meet the same machine state, then each once more in a fresh
-process for its peak memory (VmHWM). The conversations are the toy preset's shape: a MemSearcher
+process for the update's own peak memory (VmHWM reset after loading, less the resident memory
+before the update). The conversations are the toy preset's shape: a MemSearcher
 prompt (system prompt, question, a memory of 10-120 words) and a response of 150-450 tokens.
 
     python bench/update_prefix.py --model runs/memsearcher/warm_start            # toy preset: bf16, micro-batch 1, checkpointing
@@ -99,7 +100,7 @@ def main():
           f"checkpointing {args.checkpointing}, {os.environ.get('OMP_NUM_THREADS', os.cpu_count())} threads")
     print(f"{'':>24} {'plain':>8} {'shared':>8} {'ratio':>7}")
     print(f"{'update s (median of ' + str(args.reps) + ')':>24} {plain:8.1f} {ours:8.1f} {ours / plain:6.2f}x")
-    print(f"{'peak memory GB':>24} {peak[False]:8.2f} {peak[True]:8.2f} {peak[True] / peak[False]:6.2f}x")
+    print(f"{'update peak GB':>24} {peak[False]:8.2f} {peak[True]:8.2f} {peak[True] / peak[False]:6.2f}x")
     print("every run, s: plain " + " ".join(f"{s:.1f}" for s in seconds[False]) + "; shared " + " ".join(f"{s:.1f}" for s in seconds[True]))
 
 

@@ -269,6 +269,16 @@ def test_prefix_states_under_no_grad_serve_several_batches(tiny_llama):
             torch.testing.assert_close(out[:, -3:], plain[rows, -3:], rtol=0, atol=1e-5)
 
 
+def test_common_prefix_hand_values():
+    from grpo import common_prefix
+
+    c = lambda prompt: SimpleNamespace(prompt_ids=prompt)  # noqa: E731  (a conversation, as far as it reads)
+    assert common_prefix([c([1, 2, 3, 4, 5]), c([1, 2, 3, 9, 9, 9])]) == 3
+    assert common_prefix([c([1, 2, 3]), c([1, 2, 3, 4])]) == 2  # one short of the shortest prompt
+    assert common_prefix([c([7, 2]), c([1, 2])]) == 0
+    assert common_prefix([c([1, 2, 3, 4])]) == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Micro-batches of 1 with num_tokens = one full batch
 # ---------------------------------------------------------------------------------------------

@@ -43,14 +43,6 @@ def base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **extra):
     return argv
 
 
-def test_common_prefix_hand_values():
-    c = lambda prompt: agent.Conversation(prompt_ids=prompt)  # noqa: E731
-    assert train.common_prefix([c([1, 2, 3, 4, 5]), c([1, 2, 3, 9, 9, 9])]) == 3
-    assert train.common_prefix([c([1, 2, 3]), c([1, 2, 3, 4])]) == 2  # one short of the shortest prompt
-    assert train.common_prefix([c([7, 2]), c([1, 2])]) == 0
-    assert train.common_prefix([c([1, 2, 3, 4])]) == 3
-
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_shared_prefix_step_equals_plain(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, checkpointing):
     """One GRPO step (reference pass, two updates of several micro-batches of mixed lengths) with the
@@ -103,10 +95,10 @@ def test_shared_prefix_update_equals_plain(tiny_lm, micro_batch_size, sharing):
         model = copy.deepcopy(tiny_lm).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         config = types.SimpleNamespace(micro_batch_size=micro_batch_size, shared_prefix=shared, grad_clip=1e9)
-        train.ENCODED_TOKENS[0] = 0
+        train.grpo.ENCODED_TOKENS[0] = 0
         train.optimizer_update(Accelerator(cpu=True), model, optimizer, sorted(conversations, key=len),
                                conversations[:1], 2, config, (), nll, return_entropy=True)
-        after[shared], encoded[shared] = model.state_dict(), train.ENCODED_TOKENS[0]
+        after[shared], encoded[shared] = model.state_dict(), train.grpo.ENCODED_TOKENS[0]
     if micro_batch_size == 1:  # (larger micro-batches also encode their padding)
         assert (encoded[False], encoded[True]) == (sum(map(len, conversations)), expected)
     moved = max(float((after[False][k] - v).abs().max()) for k, v in tiny_lm.state_dict().items())
@@ -383,7 +375,7 @@ def warm_args(tiny_lm_dir, world, out, **extra):
 def demonstration_fit(model, conversations, pad_id):
     """(token-mean NLL, top-1 accuracy) over the loss masks, teacher-forced: what the warm start
     minimises, and how often the model's greedy next token is the demonstrated one."""
-    ids, attn, _, f = train.pad_batch(conversations, pad_id, "cpu", ("loss_mask",))
+    ids, attn, _, f = train.grpo.pad_batch(conversations, pad_id, "cpu", ("loss_mask",))
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     target, mask = ids[:, 1:], f["loss_mask"][:, 1:]
@@ -427,8 +419,8 @@ def test_resume_after_warm_start_continues_exactly(tiny_lm_dir, demo_world, tmp_
     train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "straight", max_steps=1, **common))
     train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", max_steps=0, **common))
     references = []  # with recorded old log-probs, response_logprobs runs for the KL reference only
-    original = train.response_logprobs
-    monkeypatch.setattr(train, "response_logprobs", lambda model, *a: references.append(
+    original = train.grpo.response_logprobs
+    monkeypatch.setattr(train.grpo, "response_logprobs", lambda model, *a: references.append(
         {k: v.clone() for k, v in model.state_dict().items()}) or original(model, *a))
     train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", max_steps=1, resume=True, **common))
     a, b = state(tmp_path / "straight" / "checkpoint-1"), state(tmp_path / "resumed" / "checkpoint-1")
@@ -584,8 +576,8 @@ def test_bf16_on_cpu_recomputes_old_logprobs(tiny_lm_dir, small_corpus, tiny_enc
     from scripted_policy import scripted_generate
 
     passes = []
-    response_logprobs = train.response_logprobs
-    monkeypatch.setattr(train, "response_logprobs", lambda model, conversations, *a: passes.append(
+    response_logprobs = train.grpo.response_logprobs
+    monkeypatch.setattr(train.grpo, "response_logprobs", lambda model, conversations, *a: passes.append(
         torch.is_autocast_enabled("cpu")) or response_logprobs(model, conversations, *a))
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
