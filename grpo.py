@@ -298,13 +298,13 @@ def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_ent
 
 
 def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
-    """The prefixes a pass encodes once (`prefix_states`), as {key: (length, states)}: key ()
-    holds the p tokens all conversations share (the system prompt); then each whole prompt that
-    the rows of two or more conversations in micro-batches of that prompt alone share (a group's
-    turn-1 prompt: system, question, empty memory), less its last token, continued from the
-    first, under its tuple of ids. Also returns the sum of the passes' last logits. {} when p is
-    None (off). `first_model`: the module the first pass goes through (default `model`); `count`:
-    add the tokens to ENCODED_TOKENS."""
+    """The prefixes a pass over `micro_batches` encodes once (`prefix_states`), as {key: (length,
+    states)}: key () holds the p tokens all their conversations share (the system prompt); a prompt
+    that alone fills micro-batches of two or more rows between them (a group's turn-1 prompt:
+    system, question, empty memory) is encoded too, less its last token, continued from the
+    first, under its tuple of ids. Also returns the sum of the passes' last logits; ({}, 0.0) when
+    p is None (off). `first_model`: the module the first pass goes through (default `model`);
+    `count`: add the tokens to ENCODED_TOKENS."""
     if p is None:
         return {}, 0.0
     uses = collections.Counter()
@@ -317,7 +317,7 @@ def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
     prefixes, logits = {}, 0.0
     for i, (key, ids) in enumerate(passes):
         states, last = prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
-                                          past=prefixes[()][1] if key and p else None)
+                                     past=prefixes[()][1] if key and p else None)
         prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
     ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
     return prefixes, logits
@@ -336,7 +336,7 @@ def response_logprobs(model, conversations, pad_id, device, micro_batch_size, te
     prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
     was_training = model.training
     model.eval()
-    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k]))
+    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k].prompt_ids) + len(conversations[k].response_ids))
     chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
     prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
     result = [None] * len(conversations)

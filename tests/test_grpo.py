@@ -279,6 +279,31 @@ def test_common_prefix_hand_values():
     assert common_prefix([c([1, 2, 3, 4])]) == 3
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 7])
+def test_response_logprobs_with_shared_prefixes_equal_plain(tiny_llama, micro_batch_size):
+    """A no-grad log-prob pass (the old and reference passes) over 7 conversations: a 6-token system
+    prompt, two groups' turn-1 prompts (3 and 2 rows, 3 tokens more) and two memories. At
+    micro-batch 1 the tokens are hand-counted: the system prompt once, each question once (a row
+    keeps its prompt's last token), the rest per row."""
+    import grpo
+
+    system, rng = [11, 12, 13, 14, 15, 16], torch.Generator().manual_seed(3)
+    prompts = [system + [21] * 3] * 3 + [system + [31] * 3] * 2 + [system + [41] * 5, system + [51] * 5]
+    conversations = [SimpleNamespace(prompt_ids=p, response_ids=torch.randint(2, 64, (n,), generator=rng).tolist())
+                     for p, n in zip(prompts, (4, 5, 6, 7, 8, 4, 5))]
+    out = {}
+    for shared in (False, True):
+        grpo.ENCODED_TOKENS[0] = 0
+        out[shared] = grpo.response_logprobs(tiny_llama, conversations, 0, "cpu", micro_batch_size, 0.8, shared)
+        out[shared, "tokens"] = grpo.ENCODED_TOKENS[0]
+    for a, b in zip(out[False], out[True]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    if micro_batch_size == 1:  # prompts 9 x 5 + 11 x 2, responses 4+5+6+7+8+4+5 = 39
+        assert out[False, "tokens"] == 45 + 22 + 39
+        assert out[True, "tokens"] == 6 + 2 * 2 + 5 * 1 + 2 * 5 + 39  # system, questions, rows' own prompt tokens
+    assert out[True, "tokens"] < out[False, "tokens"]
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Micro-batches of 1 with num_tokens = one full batch
 # ---------------------------------------------------------------------------------------------
