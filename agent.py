@@ -6,12 +6,14 @@
 4. reward and metrics   5. what a rollout returns (Conversation, Trajectory)
 6. batched generation with recorded log-probs     7. rollouts: MemSearcher and the ReAct baseline
 8. printing a trajectory (trained tokens set apart from masked ones)
+9. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
 
 `search` is any callable `search(queries, topk_list) -> list of rendered document strings`
 (e.g. a `retriever.Retriever`), so this file imports no retriever.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -21,8 +23,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-
-import grpo
 
 # ---------------------------------------------------------------------------------------------
 # 1. The policy model
@@ -306,17 +306,6 @@ def compute_reward(final_conversation_text: str, ends_with_end_of_turn: bool, go
     return f1_score(prediction, golds) or 0.1
 
 
-def evidence_share(trajectory, supporting_ids) -> float:
-    """Evidence credit (David-GRPO's evidence-guided reward, DESIGN §10): the share of the question's
-    supporting passages whose corpus ids are among the documents the trajectory retrieved.
-
-        E = |supporting ∩ retrieved| / |supporting|          (0 for a question without supporting ids)
-    """
-    wanted = {str(i) for i in supporting_ids or ()}
-    seen = {i for turn in trajectory.turns for ids in turn.get("document_ids", ()) for i in ids}
-    return len(wanted & seen) / len(wanted) if wanted else 0.0
-
-
 # ---------------------------------------------------------------------------------------------
 # 5. What a rollout returns
 # ---------------------------------------------------------------------------------------------
@@ -324,11 +313,16 @@ def evidence_share(trajectory, supporting_ids) -> float:
 class Conversation:
     """One LLM context = one training sample. `loss_mask[t]` is 1 exactly on tokens the policy
     sampled (each generation's end-of-turn token included), 0 on the tool-response turn and the
-    assistant header; `logprobs[t]` is the log-prob recorded while sampling (0.0 where masked)."""
+    assistant header; `logprobs[t]` is the log-prob recorded while sampling (0.0 where masked).
+    The trainer fills the last three before an update: per response token, the log-probs of the
+    policy that sampled (pi_old) and of the reference, and the trajectory's advantage (A_ij = A_i)."""
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    advantage: float = 0.0
 
     def append(self, ids: list[int], trained: bool, logprobs: list[float] | None = None):
         self.response_ids += ids
@@ -467,102 +461,6 @@ def _cache_kwarg() -> str:
     return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
-def compact_cache(cache, mask):
-    """Drop the pad columns every row can spare from a left-padded KV cache, in place; returns the
-    kept columns [B, k] (k = the longest row's real tokens), each row's pads first, then its tokens.
-
-    Cached keys already carry their rotary positions and attention does not care where a key sits,
-    only whether the mask shows it, so moving a row's real slots next to each other changes no
-    output; it shortens the cache every later token attends to. Rows that stopped early leave pad
-    slots up to the longest generation, and short prompts leave left padding: both go.
-    """
-    if any(hasattr(layer, "cumulative_length") for layer in cache.layers):  # sliding-window layers: leave as is
-        return torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
-    k = int(mask.sum(1).max())
-    keep = torch.sort(mask.int(), dim=1, stable=True).indices[:, mask.shape[1] - k:]
-    for layer in cache.layers:
-        index = keep[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-    return keep
-
-
-class CachedGenerate:
-    """`generate` that prefills nothing twice within one rollout (same interface, same results):
-
-    - **Across a tool response.** A prompt that extends a row of the previous call (that row's prompt
-      and generation, then the tool-response turn) continues from that row's KV cache and prefills only
-      the new tokens: MemSearcher's memory update, ReAct's next turn. Pad slots (left padding, and
-      rows that finished before the longest one) are first squeezed out of the cache as far as the
-      longest row allows (`compact_cache`); the attention mask hides the rest and positions follow
-      the mask (HF derives them from its cumulative sum), so every token sees what it saw before.
-    - **The shared prefix.** Otherwise the prompts' common prefix (the system prompt) is prefilled
-      once, kept for the rollout, and every row starts from a view of its cache; the rest of each
-      prompt is left-padded after it.
-    A rollout makes a fresh one (`rollout(generate_fn=None)`); `generate` is the stateless reference.
-    """
-
-    def __init__(self):
-        self.tokens, self.sequences, self.mask, self.cache = [], None, None, None  # the previous call's rows
-        self.prefix_ids, self.prefix = [], None  # the shared prefix and its per-layer (keys, values), batch 1
-
-    @torch.no_grad()
-    def __call__(self, model, tokenizer, prompts, **sampling):
-        if not prompts:
-            return []
-        pad, device = tokenizer.pad_token_id, model.device
-        rows = self._continued(prompts)
-        if rows is not None:  # continue those rows: keep their cache, add only what follows their generation
-            index = torch.tensor(rows, device=device)
-            self.cache.batch_select_indices(index)
-            new_ids, new_mask = left_pad([p[len(self.tokens[r]):] for p, r in zip(prompts, rows)], pad, device)
-            seq, seq_mask, w = self.sequences[index], self.mask[index], self.cache.get_seq_length()
-            keep = compact_cache(self.cache, seq_mask[:, :w])  # the cached columns kept, pads first
-            ids = torch.cat([seq[:, :w].gather(1, keep), seq[:, w:], new_ids], 1)
-            mask = torch.cat([seq_mask[:, :w].gather(1, keep), seq_mask[:, w:], new_mask], 1)
-            cache = self.cache
-        else:  # a fresh batch: its shared prefix once, then the rest of each prompt
-            p = self._prefix(model, prompts)
-            rest_ids, rest_mask = left_pad([q[p:] for q in prompts], pad, device)
-            prefix_ids = torch.tensor(self.prefix_ids[:p], device=device).expand(len(prompts), -1)
-            ids, mask = torch.cat([prefix_ids, rest_ids], 1), torch.cat([torch.ones_like(prefix_ids), rest_mask], 1)
-            cache = grpo.prefix_cache(self.prefix, len(prompts), writable=True) if p else None
-        results, self.sequences, self.cache = _generate(model, tokenizer, ids, mask, cache, **sampling)
-        made = self.sequences.shape[1] - ids.shape[1]
-        made_mask = torch.tensor([[1] * len(r.ids) + [0] * (made - len(r.ids)) for r in results], device=device)
-        self.mask = torch.cat([mask, made_mask.view(len(results), made)], 1)
-        self.tokens = [q + r.ids for q, r in zip(prompts, results)]
-        return results
-
-    def _continued(self, prompts):
-        """For each prompt, a previous row it extends (None unless every prompt has one)."""
-        rows = []
-        for p in prompts:
-            r = next((r for r, t in enumerate(self.tokens) if len(p) > len(t) and p[:len(t)] == t), None)
-            if r is None:
-                return None
-            rows.append(r)
-        return rows
-
-    def _prefix(self, model, prompts) -> int:
-        """Length of the cached prefix these prompts share (encoding it if it is new); 0 for none."""
-        n = len(self.prefix_ids)
-        if n and all(q[:n] == self.prefix_ids and len(q) > n for q in prompts):
-            return n
-        n = min(map(len, prompts)) - 1
-        n = next((k for k in range(n) if any(q[k] != prompts[0][k] for q in prompts)), max(n, 0))
-        if n < 2:
-            return 0
-        self.prefix_ids = prompts[0][:n]
-        PREFILLED_TOKENS[0] += n
-        was_training = model.training
-        model.eval()
-        try:
-            self.prefix = grpo.prefix_states(model, self.prefix_ids)
-        finally:
-            model.train(was_training)
-        return n
-
-
 # ---------------------------------------------------------------------------------------------
 # 7. Rollouts: every active trajectory advances one phase per `generate` call
 # ---------------------------------------------------------------------------------------------
@@ -591,12 +489,12 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
     trajectories = [Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
                     for q in questions for _ in range(group_size)]
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
-    generate_fn = generate_fn or CachedGenerate()
+    generate_fn = generate_fn or CachedGenerate()  # the speedup of `generate` (section 9)
     gen = lambda prompts: generate_fn(model, tokenizer, prompts, **sampling)  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 -- for logs and reward only
     illegal = tokenizer.convert_tokens_to_ids(START_OF_TURN)
-    instruction = memory_instruction or MEMORY_INSTRUCTION
-    if agent == "react":
+    instruction = (memory_instruction or MEMORY_INSTRUCTION) if agent == "memsearcher" else None
+    if agent == "react":  # one growing conversation
         for t in trajectories:
             t.conversations.append(Conversation(encode(tokenizer, react_prompt(t.question, system_prompt or REACT_SYSTEM_PROMPT))))
 
@@ -604,78 +502,104 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
         active = [t for t in trajectories if not t.done]
         if not active:
             break
-        # Phase 1: reason, then answer or call the search tool.
-        if agent == "memsearcher":
+        if agent == "memsearcher":  # each turn a fresh context holding only (question, memory)
             for t in active:
                 prompt = memsearcher_prompt(t.question, t.memory, system_prompt or SYSTEM_PROMPT)
                 t.conversations.append(Conversation(encode(tokenizer, prompt)))
-        conversations = [t.conversations[-1] for t in active]
-        outputs = gen([c.prompt_ids + c.response_ids for c in conversations])
-        searching = []
-        for t, c, out in zip(active, conversations, outputs):
-            log = {"turn": turn + 1, "context": decode(c.prompt_ids + c.response_ids), "generation": decode(out.ids)}
-            t.turns.append(log)
-            t.num_turns += 1
-            c.append(out.ids, trained=True, logprobs=out.logprobs)
-            calls = parse_tool_calls(log["generation"], default_top_n)
-            if out.ids and out.ids[-1] == illegal:
-                t.end_reason = "illegal_stop"
-            elif not out.finished and not (evaluation and calls):
-                t.end_reason = "length"
-            elif calls:
-                log["queries"] = [call["query"] for call in calls]
-                searching.append((t, c, calls))
-            else:  # no tool call: the trajectory ends, and the reward decides whether it answered
-                t.end_reason = "answer" if extract_boxed(log["generation"]) is not None else "no_answer"
-        # All of this turn's well-formed searches go to the retriever in one call; a bad call's
-        # result is its error text.
-        valid = [call for _, _, calls in searching for call in calls if call["error"] is None]
-        documents = iter(search([call["query"] for call in valid], [call["top_n"] for call in valid]) if valid else [])
-        updating = []
-        for t, c, calls in searching:
-            results = [call["error"] or next(documents) for call in calls]
-            t.num_searches += len(calls)
-            t.turns[-1]["documents"] = results
-            t.turns[-1]["document_ids"] = [list(getattr(r, "ids", ())) for r in results]  # retriever.Documents
-            c.append(encode(tokenizer, tool_response_turn(calls, results, instruction if agent == "memsearcher" else None)),
-                     trained=False)
-            if len(c.response_ids) > max_response_tokens:  # over the response budget: cut, and the trajectory ends
-                c.response_ids, c.loss_mask, c.logprobs = (x[:max_response_tokens] for x in (c.response_ids, c.loss_mask, c.logprobs))
-                t.end_reason = "context_overflow"
-            elif agent == "memsearcher":
-                updating.append((t, c))
+        # Phase 1: reason, then answer or call the search tool.
+        searching = reason_and_act(active, gen, decode, turn, illegal, evaluation, default_top_n)
+        updating = run_searches(searching, search, tokenizer, instruction, max_response_tokens)
         # Phase 2 (MemSearcher): read the results and rewrite the memory.
-        outputs = gen([c.prompt_ids + c.response_ids for _, c in updating]) if updating else []
-        for (t, c), out in zip(updating, outputs):
-            c.append(out.ids, trained=True, logprobs=out.logprobs)
-            text = decode(out.ids)
-            memory = extract_memory(text)
-            t.turns[-1].update(memory_generation=text, memory=memory)
-            too_long = memory is not None and max_memory_tokens is not None and len(encode(tokenizer, memory)) > max_memory_tokens
-            if out.ids and out.ids[-1] == illegal:
-                t.end_reason = "illegal_stop"
-            elif evaluation:  # the release's evaluation: an unusable memory becomes empty, the loop goes on
-                t.memory = "" if memory is None or too_long else memory
-            elif not out.finished:
-                t.end_reason = "length"
-            elif memory is None or memory == "":
-                t.end_reason = "invalid_memory" if memory is None else "empty_memory"
-            elif too_long:
-                t.end_reason = "memory_overflow"
-            else:
-                t.memory = memory
+        if agent == "memsearcher" and updating:
+            update_memories(updating, gen, decode, tokenizer, illegal, evaluation, max_memory_tokens)
         for t in active:
             t.context_tokens.append(len(t.conversations[-1]))
     end_of_turn = set(end_of_turn_ids(tokenizer))
     for t in trajectories:
-        t.end_reason = t.end_reason or "max_turns"
-        final = t.conversations[-1]
-        text = decode(final.prompt_ids + final.response_ids)
-        last = (assistant_messages(text) or [""])[-1]
-        t.prediction = extract_boxed(remove_think(last) if evaluation else last)
-        ends = bool(final.response_ids) and final.response_ids[-1] in end_of_turn
-        t.reward = compute_reward(text, ends, t.golden_answers)
+        score(t, decode, end_of_turn, evaluation)
     return trajectories
+
+
+def reason_and_act(active, gen, decode, turn, illegal, evaluation, default_top_n):
+    """Phase 1: one generation per active trajectory, from its last conversation. It ends the
+    trajectory (an answer, no tool call, an illegal stop, the token limit) or calls the tool;
+    returns [(trajectory, conversation, calls)] of those that search."""
+    conversations = [t.conversations[-1] for t in active]
+    outputs = gen([c.prompt_ids + c.response_ids for c in conversations])
+    searching = []
+    for t, c, out in zip(active, conversations, outputs):
+        log = {"turn": turn + 1, "context": decode(c.prompt_ids + c.response_ids), "generation": decode(out.ids)}
+        t.turns.append(log)
+        t.num_turns += 1
+        c.append(out.ids, trained=True, logprobs=out.logprobs)
+        calls = parse_tool_calls(log["generation"], default_top_n)
+        if out.ids and out.ids[-1] == illegal:
+            t.end_reason = "illegal_stop"
+        elif not out.finished and not (evaluation and calls):
+            t.end_reason = "length"
+        elif calls:
+            log["queries"] = [call["query"] for call in calls]
+            searching.append((t, c, calls))
+        else:  # no tool call: the trajectory ends, and the reward decides whether it answered
+            t.end_reason = "answer" if extract_boxed(log["generation"]) is not None else "no_answer"
+    return searching
+
+
+def run_searches(searching, search, tokenizer, instruction, max_response_tokens):
+    """All of this turn's well-formed searches go to the retriever in one call (a bad call's result
+    is its error text); each conversation gets its untrained tool-response turn. Returns the
+    [(trajectory, conversation)] still within `max_response_tokens` (the others end, cut to it)."""
+    valid = [call for _, _, calls in searching for call in calls if call["error"] is None]
+    documents = iter(search([call["query"] for call in valid], [call["top_n"] for call in valid]) if valid else [])
+    going_on = []
+    for t, c, calls in searching:
+        results = [call["error"] or next(documents) for call in calls]
+        t.num_searches += len(calls)
+        t.turns[-1]["documents"] = results
+        t.turns[-1]["document_ids"] = [list(getattr(r, "ids", ())) for r in results]  # retriever.Documents
+        c.append(encode(tokenizer, tool_response_turn(calls, results, instruction)), trained=False)
+        if len(c.response_ids) > max_response_tokens:  # over the response budget: cut, and the trajectory ends
+            c.response_ids, c.loss_mask, c.logprobs = (x[:max_response_tokens] for x in (c.response_ids, c.loss_mask, c.logprobs))
+            t.end_reason = "context_overflow"
+        else:
+            going_on.append((t, c))
+    return going_on
+
+
+def update_memories(updating, gen, decode, tokenizer, illegal, evaluation, max_memory_tokens):
+    """Phase 2: each trajectory rewrites its memory in the same conversation. In training a cut,
+    missing, empty or oversized memory ends the trajectory; in evaluation (as released) an
+    unusable memory becomes empty and the loop goes on."""
+    outputs = gen([c.prompt_ids + c.response_ids for _, c in updating])
+    for (t, c), out in zip(updating, outputs):
+        c.append(out.ids, trained=True, logprobs=out.logprobs)
+        text = decode(out.ids)
+        memory = extract_memory(text)
+        t.turns[-1].update(memory_generation=text, memory=memory)
+        too_long = memory is not None and max_memory_tokens is not None and len(encode(tokenizer, memory)) > max_memory_tokens
+        if out.ids and out.ids[-1] == illegal:
+            t.end_reason = "illegal_stop"
+        elif evaluation:
+            t.memory = "" if memory is None or too_long else memory
+        elif not out.finished:
+            t.end_reason = "length"
+        elif memory is None or memory == "":
+            t.end_reason = "invalid_memory" if memory is None else "empty_memory"
+        elif too_long:
+            t.end_reason = "memory_overflow"
+        else:
+            t.memory = memory
+
+
+def score(t, decode, end_of_turn, evaluation):
+    """The trajectory's end reason (max_turns if none), prediction and reward, from its last conversation."""
+    t.end_reason = t.end_reason or "max_turns"
+    final = t.conversations[-1]
+    text = decode(final.prompt_ids + final.response_ids)
+    last = (assistant_messages(text) or [""])[-1]
+    t.prediction = extract_boxed(remove_think(last) if evaluation else last)
+    ends = bool(final.response_ids) and final.response_ids[-1] in end_of_turn
+    t.reward = compute_reward(text, ends, t.golden_answers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -730,6 +654,118 @@ def main(argv=None):
         print(render_conversation(c, tokenizer, color))
     print(f"\nend: {t.end_reason}  turns: {t.num_turns}  searches: {t.num_searches}  "
           f"prediction: {t.prediction!r}  reward: {t.reward:.2f}  context tokens per turn: {t.context_tokens}")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Speedup (exact): generation that prefills nothing twice within a rollout
+# ---------------------------------------------------------------------------------------------
+def compact_cache(cache, mask):
+    """Drop the pad columns every row can spare from a left-padded KV cache, in place; returns the
+    kept columns [B, k] (k = the longest row's real tokens), each row's pads first, then its tokens.
+
+    Cached keys already carry their rotary positions and attention does not care where a key sits,
+    only whether the mask shows it, so moving a row's real slots next to each other changes no
+    output; it shortens the cache every later token attends to. Rows that stopped early leave pad
+    slots up to the longest generation, and short prompts leave left padding: both go.
+    """
+    if any(hasattr(layer, "cumulative_length") for layer in cache.layers):  # sliding-window layers: leave as is
+        return torch.arange(mask.shape[1], device=mask.device).expand(mask.shape[0], -1)
+    k = int(mask.sum(1).max())
+    keep = torch.sort(mask.int(), dim=1, stable=True).indices[:, mask.shape[1] - k:]
+    for layer in cache.layers:
+        index = keep[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+        layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+    return keep
+
+
+class CachedGenerate:
+    """Speedup of the plain stateless call, which prefills every prompt whole each time:
+
+        generate(model, tokenizer, prompts, **sampling)
+
+    This one keeps state between the calls of one rollout and prefills nothing twice (same
+    interface, same results; proven equal by tests/test_agent.py::
+    test_cached_generate_equals_generate_across_a_tool_response and
+    ::test_rollout_with_cached_generate_equals_stateless, and `compact_cache` by hand in
+    ::test_compact_cache_by_hand):
+
+    - **Across a tool response.** A prompt that extends a row of the previous call (that row's prompt
+      and generation, then the tool-response turn) continues from that row's KV cache and prefills only
+      the new tokens: MemSearcher's memory update, ReAct's next turn. Pad slots (left padding, and
+      rows that finished before the longest one) are first squeezed out of the cache as far as the
+      longest row allows (`compact_cache`); the attention mask hides the rest and positions follow
+      the mask (HF derives them from its cumulative sum), so every token sees what it saw before.
+    - **The shared prefix.** Otherwise the prompts' common prefix (the system prompt) is prefilled
+      once (batch 1), kept for the rollout, and every row starts from a copy of its cache; the rest
+      of each prompt is left-padded after it.
+    A rollout makes a fresh one (`rollout(generate_fn=None)`); `generate` is the stateless reference.
+    """
+
+    def __init__(self):
+        self.tokens, self.sequences, self.mask, self.cache = [], None, None, None  # the previous call's rows
+        self.prefix_ids, self.prefix = [], None  # the shared prefix and its KV cache, batch 1
+
+    @torch.no_grad()
+    def __call__(self, model, tokenizer, prompts, **sampling):
+        if not prompts:
+            return []
+        pad, device = tokenizer.pad_token_id, model.device
+        rows = self._continued(prompts)
+        if rows is not None:  # continue those rows: keep their cache, add only what follows their generation
+            index = torch.tensor(rows, device=device)
+            self.cache.batch_select_indices(index)
+            new_ids, new_mask = left_pad([p[len(self.tokens[r]):] for p, r in zip(prompts, rows)], pad, device)
+            seq, seq_mask, w = self.sequences[index], self.mask[index], self.cache.get_seq_length()
+            keep = compact_cache(self.cache, seq_mask[:, :w])  # the cached columns kept, pads first
+            ids = torch.cat([seq[:, :w].gather(1, keep), seq[:, w:], new_ids], 1)
+            mask = torch.cat([seq_mask[:, :w].gather(1, keep), seq_mask[:, w:], new_mask], 1)
+            cache = self.cache
+        else:  # a fresh batch: its shared prefix once, then the rest of each prompt
+            p = self._prefix(model, prompts)
+            rest_ids, rest_mask = left_pad([q[p:] for q in prompts], pad, device)
+            prefix_ids = torch.tensor(self.prefix_ids[:p], device=device).expand(len(prompts), -1)
+            ids, mask = torch.cat([prefix_ids, rest_ids], 1), torch.cat([torch.ones_like(prefix_ids), rest_mask], 1)
+            cache = None
+            if p:  # every row starts from the prefix's keys and values
+                cache = copy.deepcopy(self.prefix)
+                cache.batch_repeat_interleave(len(prompts))
+        results, self.sequences, self.cache = _generate(model, tokenizer, ids, mask, cache, **sampling)
+        made = self.sequences.shape[1] - ids.shape[1]
+        made_mask = torch.tensor([[1] * len(r.ids) + [0] * (made - len(r.ids)) for r in results], device=device)
+        self.mask = torch.cat([mask, made_mask.view(len(results), made)], 1)
+        self.tokens = [q + r.ids for q, r in zip(prompts, results)]
+        return results
+
+    def _continued(self, prompts):
+        """For each prompt, a previous row it extends (None unless every prompt has one)."""
+        rows = []
+        for p in prompts:
+            r = next((r for r, t in enumerate(self.tokens) if len(p) > len(t) and p[:len(t)] == t), None)
+            if r is None:
+                return None
+            rows.append(r)
+        return rows
+
+    def _prefix(self, model, prompts) -> int:
+        """Length of the cached prefix these prompts share (encoding it if it is new); 0 for none."""
+        n = len(self.prefix_ids)
+        if n and all(q[:n] == self.prefix_ids and len(q) > n for q in prompts):
+            return n
+        n = min(map(len, prompts)) - 1
+        n = next((k for k in range(n) if any(q[k] != prompts[0][k] for q in prompts)), max(n, 0))
+        if n < 2:
+            return 0
+        self.prefix_ids = prompts[0][:n]
+        PREFILLED_TOKENS[0] += n
+        was_training = model.training
+        model.eval()
+        try:
+            out = model(input_ids=torch.tensor([self.prefix_ids], device=model.device), use_cache=True, logits_to_keep=1)
+            self.prefix = getattr(out, "cache", None) or out.past_key_values
+        finally:
+            model.train(was_training)
+        return n
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
     torchrun --nproc_per_node 2 evaluate.py ...           # two CPU processes (gloo)
     python evaluate.py --compare A/results.json B/results.json   # side by side; two runs: B - A, paired
 
-As in the paper (DESIGN.md §2, §7): greedy, at most 20 turns, an invalid memory update resets the
+As in the paper and its release (docs/design.md): greedy, at most 20 turns, an invalid memory update resets the
 memory; weights in bfloat16 on a GPU, float32 on a CPU (--dtype, part of what a resume matches).
 Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq") or
 Search-R1's test parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import agent
 import retriever
+from data.oracle import evidence_share
 from data.questions import load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,7 +127,7 @@ def record(q: dict, t: agent.Trajectory, seconds: float, peak_memory: int | None
             "acc": cover_match(t.prediction, q["golden_answers"]), "reward": t.reward, "end_reason": t.end_reason,
             "num_turns": t.num_turns, "num_searches": t.num_searches, "context_tokens": t.context_tokens,
             "memory": t.memory, "turns": t.turns, "seconds": seconds, "peak_memory_bytes": peak_memory, "run": run,
-            "evidence": agent.evidence_share(t, supporting) if (supporting := (q.get("metadata") or {}).get("supporting_ids"))
+            "evidence": evidence_share(t, supporting) if (supporting := (q.get("metadata") or {}).get("supporting_ids"))
             else None}  # share of the question's supporting passages retrieved (toy worlds carry their ids)
 
 

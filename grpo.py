@@ -1,4 +1,4 @@
-"""Multi-context GRPO: the objective MemSearcher trains with (DESIGN.md §5).
+"""Multi-context GRPO: the objective MemSearcher trains with (the paper's Figure 2).
 
 One attempt at a question is a *trajectory*; it is made of several *conversations* (one LLM
 context per turn). The G trajectories of one question form a *group*. The trajectory's single
@@ -8,11 +8,15 @@ per-token PPO objective with its own loss mask.
 
     1. group_advantages      A_i  = (R_i - mean(R_group)) / (std(R_group) + eps)
     2. propagate_advantages  A_ij = A_i
-    3. token_logprobs        log pi(x_t | x_<t), memory-lean (never a float32 [B, L, V] copy),
-                             optionally after a shared prefix encoded once (prefix_states);
-                             conversations padded into micro-batches, the prefixes they share
-                             found and encoded once per pass (encode_prefixes, response_logprobs)
+    3. token_logprobs        log pi(x_t | x_<t); conversations padded into micro-batches
+                             (pad_batch, response_logprobs)
     4. policy_loss           clipped surrogate (dual clip) + kl_coef * KL(k3) - entropy bonus
+
+    Speedups (exact; each enters the path above through one named call, whose docstring opens
+    with the plain code it replaces and names the test that proves the two equal):
+    5. selective_logprobs    the log-softmax of step 3, a chunk of rows at a time
+    6. encode_prefixes       the prefixes conversations share (the system prompt; a group's
+                             turn-1 prompt), encoded once per pass instead of once per row
 
 Pure tensor math: this file imports torch and the standard library only (and, lazily, the cache
 class of transformers for the shared prefix).
@@ -64,14 +68,199 @@ def propagate_advantages(advantages: torch.Tensor, conversation_trajectory_index
     """Multi-context GRPO's propagation step:  A_ij = A_i  for every conversation j of trajectory i.
 
     `advantages` [N_trajectories]; `conversation_trajectory_index` [N_conversations]: for each
-    conversation, the index of its trajectory in `advantages`. Returns [N_conversations].
+    conversation, the index of its trajectory in `advantages`. Returns [N_conversations] (empty
+    for an empty index: a step whose groups were all skipped).
     """
-    return advantages[torch.as_tensor(conversation_trajectory_index, device=advantages.device)]
+    return advantages[torch.as_tensor(conversation_trajectory_index, dtype=torch.long, device=advantages.device)]
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Token log-probabilities (and entropy) without a float32 [B, L, V] log-softmax
+# 3. Token log-probabilities, and conversations into micro-batches
 # ---------------------------------------------------------------------------------------------
+def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *,
+                   response_start: int | None = None, return_entropy: bool = False, prefix=None):
+    """Log-probability of each token under the policy pi at sampling temperature T:
+
+        out[:, t] = log pi(x_t | x_<t) = log softmax(z_{t-1} / T)[x_t]      (t >= 1)
+
+    Alignment: the output is [B, L], aligned with `input_ids`; position t scores token t itself,
+    so a loss mask aligned with `input_ids` applies directly. Position 0 (no prefix) is 0, and so
+    is every t < `response_start`: with `response_start=s` the model only computes logits for
+    the last L - s + 1 positions (HF `logits_to_keep`), since prompts are never trained.
+
+    Left padding: position ids are `cumsum(attention_mask) - 1` clamped at 0. Values at padded
+    positions are meaningless; mask them. With `return_entropy=True` returns (logprobs, entropy),
+    entropy[:, t] = H(pi(. | x_<t)) aligned the same way (0 where logprobs are 0).
+    Memory: besides the model's own logits [B, L - s + 1, V] (in the model's dtype), only one
+    chunk of rows is upcast at a time, forward and backward, and the backward writes the logits'
+    gradient into the logits' own memory (so backward through an output once only). Outputs are
+    float32 (float64 for a float64 model).
+
+    `prefix`: the `prefix_states` of P tokens that precede every row; `input_ids` then holds only
+    what follows them (left padding sits between the prefix and each row's tokens, masked), the
+    positions continue at P, and the output is aligned with `input_ids` as above. A row's first
+    token after the prefix is scored from padding (like a row's first token without one), so keep
+    at least one prompt token in every row.
+    """
+    B, L = input_ids.shape
+    start = 1 if response_start is None else max(1, int(response_start))
+    if start >= L:
+        raise ValueError(f"response_start={start} leaves no token to score in length {L}")
+    keep = L - start + 1  # logits at positions start-1 .. L-1 (the last one scores nothing)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": keep} if start > 1 else {}
+    flags = {}
+    if prefix is not None:
+        p = prefix[0][0].shape[-2]
+        attention_mask = torch.cat([attention_mask.new_ones(B, p), attention_mask], 1)
+        position_ids = position_ids + p
+        extra[_cache_kwarg(model)] = prefix_cache(prefix, B)
+        flags = {"_can_checkpoint_with_cache": True}  # the cache is read-only: a recompute reads the same states
+    with _layer_flags(model, **flags):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False, **extra).logits
+    if logits.shape[1] != keep:  # a model that ignores logits_to_keep (slicing would copy grads)
+        logits = logits[:, -keep:]
+    targets = F.pad(input_ids[:, start:], (0, 1))  # a dummy target for the unused last position
+    logp, entropy = selective_logprobs(logits.reshape(B * keep, -1), targets.reshape(-1), temperature, return_entropy)
+    logp = F.pad(logp.view(B, keep)[:, :-1], (start, 0))
+    if not return_entropy:
+        return logp
+    return logp, F.pad(entropy.view(B, keep)[:, :-1], (start, 0))
+
+
+def pad_batch(conversations, pad_id, device, fields=(), skip=0):
+    """Left-pad prompt+response (less its first `skip` tokens, a shared prefix); returns input_ids,
+    attention_mask, response_start, and each per-response-token field (e.g. loss_mask, old logprobs)
+    right-aligned to [B, L]; a per-conversation number (the advantage) fills its response span."""
+    seqs = [(c.prompt_ids + c.response_ids)[skip:] for c in conversations]
+    width = max(map(len, seqs))
+    response_start = width - max(len(c.response_ids) for c in conversations)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    out = {name: torch.zeros((len(seqs), width), dtype=torch.float32) for name in fields}
+    for i, (s, c) in enumerate(zip(seqs, conversations)):
+        ids[i, width - len(s):] = torch.tensor(s)
+        attn[i, width - len(s):] = 1
+        for name in fields:
+            out[name][i, width - len(c.response_ids):] = torch.as_tensor(getattr(c, name), dtype=torch.float32)
+    return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
+
+
+ENCODED_TOKENS = [0]  # token positions run through a model by the log-prob passes (padding and prefixes included)
+
+
+def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefixes=None):
+    """token_logprobs of one micro-batch of conversations (`pad_batch`), and its padded `fields`.
+    `prefixes` ({} or None: none) are the states `encode_prefixes` made for the pass: the rows then
+    skip the longest one they all start with and attend to its states instead."""
+    p, states = prefix_for(prefixes or {}, micro)
+    ids, attn, start, f = pad_batch(micro, pad_id, device, fields, skip=p)
+    ENCODED_TOKENS[0] += ids.numel()
+    out = token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy,
+                         prefix=states if p else None)
+    return out, f
+
+
+@torch.no_grad()
+def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
+    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
+    order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
+    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k].prompt_ids) + len(conversations[k].response_ids))
+    chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
+    prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
+    result = [None] * len(conversations)
+    for s, chunk in zip(range(0, len(order), micro_batch_size), chunks):
+        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature, prefixes=prefixes)
+        lp = lp.float().cpu()
+        for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
+            result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
+    model.train(was_training)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The per-token policy loss
+# ---------------------------------------------------------------------------------------------
+def policy_loss(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *,
+                clip_eps: float = 0.2, clip_ratio_c: float = 3.0, kl_coef: float = 0.001,
+                entropy=None, entropy_coef: float = 0.0, num_tokens=None):
+    """Per token t of each conversation, with r_t = pi(x_t) / pi_old(x_t) = exp(logp - old_logp):
+
+        L_clip = -min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)              (PPO, Schulman et al. 2017)
+        L_pg   = min(L_clip, c * |A|)  if A < 0  else  L_clip            (dual clip, Ye et al. 2020)
+        KL_t   = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]     (k3, as in GRPO)
+        l_t    = L_pg + kl_coef * KL_t - entropy_coef * H_t         (kl_coef is the papers' beta)
+
+        loss = sum_t mask_t * l_t / num_tokens
+
+    `advantages` is [B] (one per conversation, broadcast over tokens) or [B, T]. `num_tokens`
+    defaults to mask.sum(). To get the token-mean of a whole batch split into micro-batches, pass
+    every micro-batch the batch's trained-token count N and sum the losses (accumulate gradients).
+    Under DDP, which *averages* gradients over W ranks, pass N_all_ranks / W instead (or pass
+    N_all_ranks and scale the loss by W): both give exactly sum_tokens l_t / N_all_ranks.
+    Masked tokens do not matter at all, even if their inputs are inf or NaN; NaNs on trained
+    tokens propagate (the trainer detects them).
+    Returns (loss, metrics): metrics are float means over this call's masked tokens.
+    """
+    mask = loss_mask.bool()
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.expand_as(logprobs)
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss_clip = torch.maximum(loss_unclipped, loss_clipped)
+    loss_pg = torch.where(advantages < 0, torch.minimum(loss_clip, -clip_ratio_c * advantages), loss_clip)
+    per_token = loss_pg
+    kl = torch.zeros_like(logprobs)
+    if ref_logprobs is not None:
+        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
+        kl = (d.exp() - d - 1).clamp(-10.0, 10.0)
+        per_token = per_token + kl_coef * kl
+    if entropy is not None:
+        per_token = per_token - entropy_coef * entropy
+    n = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    loss = torch.where(mask, per_token, 0.0).sum() / n
+
+    with torch.no_grad():
+        def mean(x):
+            return (x.float() * mask).sum().item() / max(int(mask.sum()), 1)
+        metrics = {
+            "ratio": mean(ratio),
+            "clip_frac": mean(loss_clipped > loss_unclipped),
+            "dual_clip_frac": mean((advantages < 0) & (loss_clip > -clip_ratio_c * advantages)),
+            "kl": mean(kl),
+            "entropy": mean(torch.where(mask, entropy, 0.0)) if entropy is not None else 0.0,
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Speedup: the log-softmax a chunk of rows at a time (selective_logprobs)
+# ---------------------------------------------------------------------------------------------
+def selective_logprobs(logits, targets, temperature: float = 1.0, with_entropy: bool = False):
+    """Speedup of the plain
+
+        logq = torch.log_softmax(logits.float() / temperature, -1)        # [N, V] float32
+        logp = logq.gather(-1, targets[:, None]).squeeze(-1)             # log p(y_n)
+        entropy = -(logq.exp() * logq).sum(-1)                           # H_n
+
+    which holds a float32 copy of all N x V logits (and autograd keeps more): for a micro-batch of
+    4 conversations of 3k tokens over Qwen2.5's 151,936 words that is 7 GB. Here the rows are taken
+    a chunk at a time (CHUNK_ELEMENTS), forward and backward, and the backward writes the logits'
+    gradient into the logits' own memory, so nothing of size N x V is allocated beyond the model's
+    own logits. Returns (logp, entropy) [N] in float32 (float64 for float64 logits); entropy is
+    zeros unless `with_entropy`. Proven equal to the plain code, values and gradients:
+    tests/test_grpo.py::test_token_logprobs_equal_naive_gather and ::test_token_logprobs_chunking_is_exact.
+    """
+    return _ChunkedLogProbEntropy.apply(logits, targets, float(temperature), with_entropy)
+
+
 CHUNK_ELEMENTS = 2**24  # rows per chunk = CHUNK_ELEMENTS // vocab: a 64 MB float32 slab at a time
 
 
@@ -132,8 +321,63 @@ def _row_chunks(logits: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3b. A shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
+# 6. Speedup: a shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
 # ---------------------------------------------------------------------------------------------
+def common_prefix(conversations) -> int:
+    """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
+    least the system prompt), kept one short of the shortest prompt so that each row scores its
+    first response token from a token of its own."""
+    prompts = [c.prompt_ids for c in conversations]
+    n = min(map(len, prompts)) - 1
+    return next((k for k in range(n) if any(p[k] != prompts[0][k] for p in prompts)), max(n, 0))
+
+
+def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
+    """Speedup of encoding the prompt tokens that conversations share in every row that has them.
+    Plain, every micro-batch runs its rows' whole prompts, the system prompt in each row:
+
+        for micro in micro_batches:
+            micro_logprobs(model, micro, ..., prefixes={})
+
+    Here the prefixes a pass shares are run once (`prefix_states`) and each row attends to their
+    keys and values (`micro_logprobs(..., prefixes=encode_prefixes(...)[0])`). Returns {key:
+    (length, states)}: key () holds the p tokens all the conversations share (the system prompt);
+    a prompt that alone fills micro-batches of two or more rows between them (a group's turn-1
+    prompt: system, question, empty memory) is encoded too, less its last token, continued from
+    the first, under its tuple of ids. Also returns the sum of the passes' last logits; ({}, 0.0)
+    when p is None (off). `first_model`: the module the first pass goes through (default
+    `model`); `count`: add the tokens to ENCODED_TOKENS. Proven equal to the plain passes, values
+    and gradients: tests/test_grpo.py::test_shared_prefix_equals_plain_forward and
+    ::test_response_logprobs_with_shared_prefixes_equal_plain, and for a whole optimizer update
+    tests/test_train.py::test_shared_prefix_update_equals_plain.
+    The paper preset's micro-batches of 4, taken by length, mostly mix groups, so there the
+    system prompt is the prefix that counts (13-22% of the tokens a pass encodes).
+    """
+    if p is None:
+        return {}, 0.0
+    uses = collections.Counter()
+    for micro in micro_batches:
+        prompts = {tuple(c.prompt_ids) for c in micro}
+        if len(prompts) == 1:
+            uses[prompts.pop()] += len(micro)
+    passes = ([((), micro_batches[0][0].prompt_ids[:p])] if p else []) + \
+        [(k, k[p:-1]) for k, n in uses.items() if n > 1 and len(k) - 1 > p]
+    prefixes, logits = {}, 0.0
+    for i, (key, ids) in enumerate(passes):
+        states, last = prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
+                                     past=prefixes[()][1] if key and p else None)
+        prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
+    ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
+    return prefixes, logits
+
+
+def prefix_for(prefixes, micro):
+    """(length, states) of the longest encoded prefix that every row of `micro` starts with; (0, None) for none."""
+    prompts = {tuple(c.prompt_ids) for c in micro}
+    key = prompts.pop() if len(prompts) == 1 and prompts <= prefixes.keys() else ()
+    return prefixes.get(key, (0, None))
+
+
 def prefix_states(model, prefix_ids, past=None, return_logits=False):
     """Run a token prefix shared by a batch's rows once (batch 1) and return its keys and values,
     one (keys [1, heads, P, head_dim], values) pair per layer, with their graph when grad is on
@@ -199,210 +443,3 @@ def _cache_kwarg(model) -> str:
     """transformers 5 calls the model's cache argument `cache`, earlier versions `past_key_values`."""
     forward = getattr(model, "module", model).forward
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
-def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *,
-                   response_start: int | None = None, return_entropy: bool = False, prefix=None):
-    """Log-probability of each token under the policy pi at sampling temperature T:
-
-        out[:, t] = log pi(x_t | x_<t) = log softmax(z_{t-1} / T)[x_t]      (t >= 1)
-
-    Alignment: the output is [B, L], aligned with `input_ids`; position t scores token t itself,
-    so a loss mask aligned with `input_ids` applies directly. Position 0 (no prefix) is 0, and so
-    is every t < `response_start`: with `response_start=s` the model only computes logits for
-    the last L - s + 1 positions (HF `logits_to_keep`), since prompts are never trained.
-
-    Left padding: position ids are `cumsum(attention_mask) - 1` clamped at 0. Values at padded
-    positions are meaningless; mask them. With `return_entropy=True` returns (logprobs, entropy),
-    entropy[:, t] = H(pi(. | x_<t)) aligned the same way (0 where logprobs are 0).
-    Memory: besides the model's own logits [B, L - s + 1, V] (in the model's dtype), only one
-    chunk of rows is upcast at a time, forward and backward, and the backward writes the logits'
-    gradient into the logits' own memory (so backward through an output once only). Outputs are
-    float32 (float64 for a float64 model).
-
-    `prefix`: the `prefix_states` of P tokens that precede every row; `input_ids` then holds only
-    what follows them (left padding sits between the prefix and each row's tokens, masked), the
-    positions continue at P, and the output is aligned with `input_ids` as above. A row's first
-    token after the prefix is scored from padding (like a row's first token without one), so keep
-    at least one prompt token in every row.
-    """
-    B, L = input_ids.shape
-    start = 1 if response_start is None else max(1, int(response_start))
-    if start >= L:
-        raise ValueError(f"response_start={start} leaves no token to score in length {L}")
-    keep = L - start + 1  # logits at positions start-1 .. L-1 (the last one scores nothing)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    extra = {"logits_to_keep": keep} if start > 1 else {}
-    flags = {}
-    if prefix is not None:
-        p = prefix[0][0].shape[-2]
-        attention_mask = torch.cat([attention_mask.new_ones(B, p), attention_mask], 1)
-        position_ids = position_ids + p
-        extra[_cache_kwarg(model)] = prefix_cache(prefix, B)
-        flags = {"_can_checkpoint_with_cache": True}  # the cache is read-only: a recompute reads the same states
-    with _layer_flags(model, **flags):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False, **extra).logits
-    if logits.shape[1] != keep:  # a model that ignores logits_to_keep (slicing would copy grads)
-        logits = logits[:, -keep:]
-    targets = F.pad(input_ids[:, start:], (0, 1))  # a dummy target for the unused last position
-    logp, entropy = _ChunkedLogProbEntropy.apply(
-        logits.reshape(B * keep, -1), targets.reshape(-1), float(temperature), return_entropy)
-    logp = F.pad(logp.view(B, keep)[:, :-1], (start, 0))
-    if not return_entropy:
-        return logp
-    return logp, F.pad(entropy.view(B, keep)[:, :-1], (start, 0))
-
-
-# ---------------------------------------------------------------------------------------------
-# 3c. Conversations into micro-batches: padding, the shared prefixes, log-prob passes
-# ---------------------------------------------------------------------------------------------
-def pad_batch(conversations, pad_id, device, fields=(), skip=0):
-    """Left-pad prompt+response (less its first `skip` tokens, a shared prefix); returns input_ids,
-    attention_mask, response_start, and each per-response-token field (e.g. loss_mask, old logprobs)
-    right-aligned to [B, L]."""
-    seqs = [(c.prompt_ids + c.response_ids)[skip:] for c in conversations]
-    width = max(map(len, seqs))
-    response_start = width - max(len(c.response_ids) for c in conversations)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    out = {name: torch.zeros((len(seqs), width), dtype=torch.float32) for name in fields}
-    for i, (s, c) in enumerate(zip(seqs, conversations)):
-        ids[i, width - len(s):] = torch.tensor(s)
-        attn[i, width - len(s):] = 1
-        for name in fields:
-            out[name][i, width - len(c.response_ids):] = torch.as_tensor(getattr(c, name), dtype=torch.float32)
-    return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
-
-
-def common_prefix(conversations) -> int:
-    """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
-    least the system prompt), kept one short of the shortest prompt so that each row scores its
-    first response token from a token of its own."""
-    prompts = [c.prompt_ids for c in conversations]
-    n = min(map(len, prompts)) - 1
-    return next((k for k in range(n) if any(p[k] != prompts[0][k] for p in prompts)), max(n, 0))
-
-
-ENCODED_TOKENS = [0]  # token positions run through a model by the log-prob passes (padding and prefixes included)
-
-
-def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefix=(0, None)):
-    """token_logprobs of one micro-batch, after a shared prefix (p tokens, its states) when p > 0."""
-    p, states = prefix
-    ids, attn, start, f = pad_batch(micro, pad_id, device, fields, skip=p)
-    ENCODED_TOKENS[0] += ids.numel()
-    out = token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy,
-                         prefix=states if p else None)
-    return out, f
-
-
-def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
-    """The prefixes a pass over `micro_batches` encodes once (`prefix_states`), as {key: (length,
-    states)}: key () holds the p tokens all their conversations share (the system prompt); a prompt
-    that alone fills micro-batches of two or more rows between them (a group's turn-1 prompt:
-    system, question, empty memory) is encoded too, less its last token, continued from the
-    first, under its tuple of ids. Also returns the sum of the passes' last logits; ({}, 0.0) when
-    p is None (off). `first_model`: the module the first pass goes through (default `model`);
-    `count`: add the tokens to ENCODED_TOKENS."""
-    if p is None:
-        return {}, 0.0
-    uses = collections.Counter()
-    for micro in micro_batches:
-        prompts = {tuple(c.prompt_ids) for c in micro}
-        if len(prompts) == 1:
-            uses[prompts.pop()] += len(micro)
-    passes = ([((), micro_batches[0][0].prompt_ids[:p])] if p else []) + \
-        [(k, k[p:-1]) for k, n in uses.items() if n > 1 and len(k) - 1 > p]
-    prefixes, logits = {}, 0.0
-    for i, (key, ids) in enumerate(passes):
-        states, last = prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
-                                     past=prefixes[()][1] if key and p else None)
-        prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
-    ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
-    return prefixes, logits
-
-
-def prefix_key(prefixes, micro):
-    """The key of the longest encoded prefix that every row of `micro` starts with."""
-    prompts = {tuple(c.prompt_ids) for c in micro}
-    return prompts.pop() if len(prompts) == 1 and prompts <= prefixes.keys() else ()
-
-
-@torch.no_grad()
-def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
-    """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
-    order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
-    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
-    was_training = model.training
-    model.eval()
-    order = sorted(range(len(conversations)), key=lambda k: len(conversations[k].prompt_ids) + len(conversations[k].response_ids))
-    chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
-    prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
-    result = [None] * len(conversations)
-    for s, chunk in zip(range(0, len(order), micro_batch_size), chunks):
-        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature,
-                               prefix=prefixes.get(prefix_key(prefixes, chunk), (0, None)))
-        lp = lp.float().cpu()
-        for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
-            result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
-    model.train(was_training)
-    return result
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. The per-token policy loss
-# ---------------------------------------------------------------------------------------------
-def policy_loss(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None, *,
-                clip_eps: float = 0.2, clip_ratio_c: float = 3.0, kl_coef: float = 0.001,
-                entropy=None, entropy_coef: float = 0.0, num_tokens=None):
-    """Per token t of each conversation, with r_t = pi(x_t) / pi_old(x_t) = exp(logp - old_logp):
-
-        L_clip = -min(r_t A, clip(r_t, 1 - eps, 1 + eps) A)              (PPO, Schulman et al. 2017)
-        L_pg   = min(L_clip, c * |A|)  if A < 0  else  L_clip            (dual clip, Ye et al. 2020)
-        KL_t   = exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]     (k3, as in GRPO)
-        l_t    = L_pg + kl_coef * KL_t - entropy_coef * H_t         (kl_coef is the papers' beta)
-
-        loss = sum_t mask_t * l_t / num_tokens
-
-    `advantages` is [B] (one per conversation, broadcast over tokens) or [B, T]. `num_tokens`
-    defaults to mask.sum(). To get the token-mean of a whole batch split into micro-batches, pass
-    every micro-batch the batch's trained-token count N and sum the losses (accumulate gradients).
-    Under DDP, which *averages* gradients over W ranks, pass N_all_ranks / W instead (or pass
-    N_all_ranks and scale the loss by W): both give exactly sum_tokens l_t / N_all_ranks.
-    Masked tokens do not matter at all, even if their inputs are inf or NaN; NaNs on trained
-    tokens propagate (the trainer detects them).
-    Returns (loss, metrics): metrics are float means over this call's masked tokens.
-    """
-    mask = loss_mask.bool()
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    advantages = advantages.expand_as(logprobs)
-    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
-    ratio = log_ratio.exp()
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    loss_clip = torch.maximum(loss_unclipped, loss_clipped)
-    loss_pg = torch.where(advantages < 0, torch.minimum(loss_clip, -clip_ratio_c * advantages), loss_clip)
-    per_token = loss_pg
-    kl = torch.zeros_like(logprobs)
-    if ref_logprobs is not None:
-        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
-        kl = (d.exp() - d - 1).clamp(-10.0, 10.0)
-        per_token = per_token + kl_coef * kl
-    if entropy is not None:
-        per_token = per_token - entropy_coef * entropy
-    n = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    loss = torch.where(mask, per_token, 0.0).sum() / n
-
-    with torch.no_grad():
-        def mean(x):
-            return (x.float() * mask).sum().item() / max(int(mask.sum()), 1)
-        metrics = {
-            "ratio": mean(ratio),
-            "clip_frac": mean(loss_clipped > loss_unclipped),
-            "dual_clip_frac": mean((advantages < 0) & (loss_clip > -clip_ratio_c * advantages)),
-            "kl": mean(kl),
-            "entropy": mean(torch.where(mask, entropy, 0.0)) if entropy is not None else 0.0,
-        }
-    return loss, metrics

@@ -5,15 +5,19 @@
         --retriever_url http://host:8000                        # the paper's settings (preset `paper`)
     torchrun --nproc_per_node 2 train.py --max_steps 2          # two CPU processes (gloo)
 
-1. configuration   2. set-up (model, reference, optimizer, search tool, data)   3. helpers, the
-   shared optimizer update, the warm start   4. (toy preset) warm start on oracle demonstrations,
-   then the loop: rollout -> rewards -> group advantages -> old/ref log-probs -> PPO epochs of
-   mini-batches of micro-batches -> metrics and checkpoints.
+1. configuration (every hyperparameter, with the toy and the paper preset's value)
+2. the training loop, `main`: set-up, then per step rollout -> rewards -> group advantages ->
+   broadcast -> old/reference log-probs -> PPO updates -> metrics and checkpoints
+3. the parts of a step (set-up, what flows, log-prob passes, the optimizer update, metrics)
+4. the small-budget recipe of the toy preset (oracle in groups, evidence credit, tied groups
+   skipped, the warm start), each off in the paper preset
+5. speedup (exact): the update's shared prefixes     6. infrastructure (checkpoints, memory, logs)
 """
 import argparse
 import contextlib
 import copy
 import ctypes
+import dataclasses
 import glob
 import json
 import math
@@ -21,6 +25,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import Accelerator
@@ -30,6 +35,7 @@ from tqdm import tqdm
 import agent
 import grpo
 import retriever
+from data.oracle import evidence_share
 from data.questions import load_questions
 
 # ---------------------------------------------------------------------------------------------
@@ -45,9 +51,9 @@ HYPERPARAMETERS = [
     ("group_size", 4, 5, "G, trajectories per question; paper: 5"),
     ("mini_batch_size", 4, 128, "optimizer updates see mini_batch_size x G conversations each, in rollout order; paper: 128 (x 5 = 640)"),
     ("micro_batch_size", 1, 4, "conversations per forward/backward (memory knob, not math; toy: 1, with checkpointing "
-     "a step peaks at 5-6.6 GB, README)"),
+     "a step peaks at 5-6.6 GB, docs/performance.md)"),
     ("ppo_epochs", 1, 1, "passes over a step's conversations; paper: 1"),
-    ("warm_start_steps", 30, 0, "supervised steps on oracle demonstrations before GRPO (DESIGN §9; toy: ~half an epoch, ~10 min); paper: 0"),
+    ("warm_start_steps", 30, 0, "supervised steps on oracle demonstrations before GRPO (docs/design.md; toy: ~half an epoch, ~10 min); paper: 0"),
     ("warm_start_questions", 100, 0, "train questions the oracle acts out for the warm start (toy: ~250 conversations, 30 steps see half)"),
     ("warm_start_mix", "1:1:1", "1:1:1", "shares of single-hop:bridge:comparison among those questions, first ones of each type in file order"),
     ("warm_start_batch", 4, 4, "demonstration conversations per warm-start step, over all ranks"),
@@ -62,8 +68,8 @@ HYPERPARAMETERS = [
      "they equal the recomputation) or recompute (a forward pass before the update, as released)"),
     ("kl_coef", 0.0, 0.001, "k3 KL-to-reference coefficient (0 skips the reference model; toy: 0, as David-GRPO's "
      "first stage); paper: 0.001"),
-    ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0, see README: with no reward signal it only raises entropy)"),
-    # Small-budget recipe (DESIGN §10; README, "RL at a small budget"): every option off in the paper preset.
+    ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0: with no reward signal it only raises entropy)"),
+    # The small-budget recipe (section 4; docs/design.md): every option off in the paper preset.
     ("oracle_per_group", 1, 0, "K oracle trajectories (data/oracle.py) join each group whose question has a reasoning chain "
      "(expert bootstrapping: David-GRPO, LUFFY); paper: 0"),
     ("oracle_when_unsolved", True, False, "add the oracle only to groups where no sampled trajectory earned reward 1"),
@@ -93,9 +99,9 @@ HYPERPARAMETERS = [
     ("keep_checkpoints", 2, 3, "how many newest checkpoints to keep"),
     ("resume", False, False, "continue from the newest checkpoint in output_dir"),
     ("shared_prefix", True, True, "encode the token prefixes the conversations share (the system prompt; a group's turn-1 prompt) once per "
-     "log-prob pass and per update, not once per conversation (exact; README)"),
+     "log-prob pass and per update, not once per conversation (exact; docs/performance.md)"),
     ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (toy: peak 6.6 -> 5.0 GB, "
-     "update +8%, README)"),
+     "update +8%, docs/performance.md)"),
     ("samples_per_step", 2, 4, "trajectories per step written to samples.jsonl"),
     ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
     ("seed", 0, 0, "data order, sampling (offset per rank and step), initialisation"),
@@ -176,63 +182,280 @@ def check_config(args, world_size, distributed_type=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Helpers: the optimizer update, the warm start, checkpoints
+# 2. The training loop: rollout -> rewards -> group advantages -> broadcast -> old/ref log-probs
+#    -> PPO updates -> log (each step's parts are the functions of section 3)
 # ---------------------------------------------------------------------------------------------
-def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args, fields, loss_fn,
-                     temperature=1.0, return_entropy=True, autocast=True):
-    """One optimizer update over `mini` (this rank's conversations), accumulated over micro-batches.
-    Every rank runs the same number of passes (a missing one weighs zero), and every trained token
-    weighs the same wherever it lands: `loss_fn(logprobs, entropy, f, num_tokens)` divides by
-    num_tokens = (trained tokens on all ranks) / world, since DDP averages gradients over ranks.
+def main(argv=None, generate_fn=None):
+    args = parse_args(argv)
+    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
+    precision = resolve_precision(args.mixed_precision)
+    accelerator = Accelerator(cpu=multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
+                              log_with=args.report_to.split(",") if args.report_to else None)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    check_config(args, world, accelerator.distributed_type)
+    accelerator.print(f"precision: float32 weights, {'no autocast' if precision == 'no' else precision + ' autocast'} "
+                      f"(--mixed_precision {args.mixed_precision})")
+    questions = load_questions(args.train_data)
+    if len(questions) < args.batch_size:
+        raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
+    set_seed(args.seed)
+    search = open_search(args, accelerator)
+    model, optimizer, tokenizer, reference, rollout_model = load_models(args, accelerator)
+    sharded = rollout_model is not None  # FSDP: each rank rolls out with a full copy of the policy
+    policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
+    rollout_kwargs = rollout_settings(args)
+    os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None and k != "source"})
+    log = logger(accelerator, args.output_dir)
+    if args.warm_start_steps > 0:  # toy preset: supervised steps on oracle demonstrations first (section 4)
+        run_warm_start(accelerator, model, optimizer, tokenizer, reference, rollout_model, search, args, rollout_kwargs, log)
 
-    With --shared_prefix the prefixes the rank's conversations share are encoded once per update
-    (`grpo.encode_prefixes`), without grad; every micro-batch attends to their states S, leaves whose
-    gradient G collects the micro-batches' shares. A last pass runs them again with grad and
-    backpropagates sum(S * G), whose gradient with respect to S is G: the weights receive every
-    micro-batch's share through the one prefix computation. It comes after the micro-batches, so
-    its activations never share memory with theirs. It is the backward DDP all-reduces on (its
-    first pass goes through the DDP module, once on every rank, and the passes' last logits join at
-    weight 0, so that every weight takes part). Not under FSDP or an fp16 loss scaler.
+    start_step = 0
+    if args.resume and list_checkpoints(args.output_dir):
+        last = list_checkpoints(args.output_dir)[-1]
+        accelerator.load_state(os.path.join(last, "state"))
+        start_step = json.load(open(os.path.join(last, "trainer_state.json")))["step"]
+        accelerator.print(f"resumed from {last} (step {start_step})")
+    if accelerator.is_main_process and args.max_steps > start_step:
+        trim_logs(args.output_dir, "grpo", start_step)
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+               disable=not accelerator.is_main_process, desc="steps")
+    for step in bar:
+        # --- rollout: this rank's share of the step's questions, G trajectories each ----------
+        t0, grpo.ENCODED_TOKENS[0] = time.time(), 0
+        share = args.batch_size // world
+        mine = step_questions(questions, step, args.batch_size, args.seed)[rank * share:(rank + 1) * share]
+        if sharded:
+            gather_full_weights(model, rollout_model)
+        torch.manual_seed(args.seed * 100003 + step * world + rank)  # sampling differs per rank and step
+        with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
+            trajectories = agent.rollout(
+                policy, tokenizer, mine, search, group_size=args.group_size, max_turns=args.max_turns,
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                generate_fn=generate_fn, **rollout_kwargs)
+        release_freed_memory()
+        experts = oracle_trajectories(args, mine, trajectories, search, tokenizer, args.seed * 100003 + step * world + rank,
+                                      rollout_kwargs)  # toy recipe: the oracle joins unsolved groups (none in the paper preset)
+        t_rollout = time.time() - t0
+
+        # --- rewards -> group advantages A_i -> one advantage per conversation, A_ij = A_i ----
+        batch = Batch(mine, trajectories, experts)
+        batch.rewards, batch.evidence = shaped_rewards(args, batch.group, mine)  # toy recipe: + evidence credit
+        advantages = grpo.group_advantages(batch.rewards, [t.qid for t in batch.group])
+        batch.tied, batch.kept = skip_tied_groups(args, batch.group, advantages)  # toy recipe: tied groups not trained
+        owner = [i for i in batch.kept for _ in batch.group[i].conversations]
+        batch.conversations = [c for i in batch.kept for c in batch.group[i].conversations]
+        for c, a in zip(batch.conversations, grpo.propagate_advantages(advantages, owner).tolist()):
+            c.advantage = a
+
+        # --- old log-probs (the policy before any update) and reference log-probs ------------
+        t0 = time.time()
+        sampled = [batch.sampled(batch.group[i]) for i in owner]  # the oracle's have no recorded log-probs
+        with accelerator.autocast():  # the same precision as the update's forward passes
+            gap = old_and_reference_logprobs(args, accelerator, policy, reference, batch.conversations, sampled,
+                                             tokenizer.pad_token_id)
+        t_reference = time.time() - t0
+
+        # --- PPO epochs of mini-batches, one optimizer update each -----------------------------
+        t0, peak_before = time.time(), peak_memory(reset=True)  # the rollout's and log-prob passes' peak
+        filler = batch.conversations[:1] or [blank(batch.group[0].conversations[0])]  # a rank with nothing to train
+        sums, grad_norms = ppo_updates(accelerator, model, optimizer, batch.conversations, filler, reference is not None,
+                                       tokenizer.pad_token_id, args)
+        t_update, peak_update = time.time() - t0, peak_memory(reset=True)
+
+        # --- metrics over all ranks, samples, checkpoint ---------------------------------------
+        timing = dict(lr=optimizer.param_groups[0]["lr"], seconds_rollout=t_rollout, seconds_reference=t_reference,
+                      seconds_update=t_update, peak_memory_gb=max(peak_before, peak_update), peak_update_gb=peak_update)
+        row = step_metrics(accelerator, step + 1, batch, sums, grad_norms, gap, timing)
+        log(row)
+        if accelerator.is_main_process:
+            write_samples(args.output_dir, step + 1, trajectories[:args.samples_per_step])
+            bar.set_postfix(reward=f"{row['reward']:.3f}", turns=f"{row['turns']:.2f}", kl=f"{row['kl']:.4f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
+            save_checkpoint(accelerator, model, tokenizer, args, step + 1)
+    accelerator.end_training()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The parts of a step: set-up, what flows, old/reference log-probs, PPO updates, metrics
+# ---------------------------------------------------------------------------------------------
+def open_search(args, accelerator):
+    """The search tool: a local flat index (the main process builds a missing index cache first)
+    or a server shared by all ranks (checked before anything large is loaded)."""
+    with accelerator.main_process_first():
+        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
+                                          device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
+    if args.retriever_url:  # fail fast if the server is not there
+        try:
+            search.search(["ping"], 1)
+        except ConnectionError as e:
+            raise SystemExit(f"train.py: --retriever_url: {e}") from None
+    return search
+
+
+def load_models(args, accelerator):
+    """The policy (float32 master weights) and its optimizer, prepared for DDP/FSDP; the frozen KL
+    reference (only with --kl_coef > 0) and, under FSDP, a full rollout copy (else None)."""
+    model, tokenizer = agent.load_model(args.model, dtype=torch.float32)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
+    rollout_model = copy.deepcopy(model).eval().requires_grad_(False) if sharded else None
+    if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
+        enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers; the old name warns
+        if enable:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for frozen in (reference, rollout_model):
+        if frozen is not None:
+            frozen.to(accelerator.device)
+    return model, optimizer, tokenizer, reference, rollout_model
+
+
+def rollout_settings(args):
+    """The agent's settings shared by GRPO's rollouts and the oracle's (prompts from files or ours)."""
+    default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
+    return dict(agent=args.agent, max_memory_tokens=args.max_memory_tokens, max_response_tokens=args.max_response_tokens,
+                default_top_n=args.default_top_n, system_prompt=agent.read_prompt_file(args.system_prompt, default_prompt),
+                memory_instruction=agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION))
+
+
+def logger(accelerator, output_dir):
+    """log(row): a line of metrics.jsonl (main process) and the trackers, keyed phase/name."""
+    def log(row):
+        if accelerator.is_main_process:
+            with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+        accelerator.log({f"{row['phase']}/{k}": v for k, v in row.items() if k != "phase"})
+    return log
+
+
+@dataclass
+class Batch:
+    """One step's trajectories on this rank, and what the step derives from them."""
+    questions: list[dict]  # this rank's share of the step's questions
+    trajectories: list[agent.Trajectory]  # G sampled per question
+    experts: list[agent.Trajectory]  # the oracle's, joining their groups (toy recipe; else [])
+    rewards: list[float] = field(default_factory=list)  # per trajectory of `group`: what the advantages are computed from
+    evidence: list[float] = field(default_factory=list)  # per trajectory of `group`: share of supporting passages retrieved
+    tied: set[str] = field(default_factory=set)  # question ids of the groups whose rewards are all equal (A = 0)
+    kept: list[int] = field(default_factory=list)  # indices into `group` of the trajectories trained on
+    conversations: list[agent.Conversation] = field(default_factory=list)  # the kept trajectories' conversations
+
+    def __post_init__(self):
+        position = {str(q["id"]): k for k, q in enumerate(self.questions)}
+        self.group = sorted(self.trajectories + self.experts, key=lambda t: position[t.qid])  # a group's samples, then its oracle
+        self._oracle = {id(t) for t in self.experts}
+
+    def sampled(self, trajectory) -> bool:
+        """Sampled by the policy (not the oracle's)."""
+        return id(trajectory) not in self._oracle
+
+
+def old_and_reference_logprobs(args, accelerator, policy, reference, conversations, sampled, pad_id):
+    """Fill each conversation's `old_logprobs` (pi_old, the policy that sampled) and `ref_logprobs`
+    (the KL reference; pi_old's when there is none). Those recorded while sampling equal a
+    recomputation in float32 without autocast (tests/test_agent.py: parity 1e-4), so
+    --old_logprobs recorded skips that forward pass there; the oracle's are always recomputed.
+    Returns the largest |recorded - used| over sampled trained tokens (0 when they are the same)."""
+    recorded_old = args.old_logprobs == "recorded" and accelerator.mixed_precision == "no"
+    recorded = [recorded_old and s for s in sampled]
+    recompute = [c for c, r in zip(conversations, recorded) if not r]
+    fresh = iter(grpo.response_logprobs(policy, recompute, pad_id, accelerator.device, args.micro_batch_size,
+                                        args.temperature, args.shared_prefix) if recompute else [])
+    old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
+    gap = max((float((torch.tensor(c.logprobs) - o).abs().mul(torch.tensor(c.loss_mask)).max())
+               for c, o, s in zip(conversations, old, sampled) if s and c.loss_mask), default=0.0)
+    ref = (grpo.response_logprobs(reference, conversations, pad_id, accelerator.device, args.micro_batch_size,
+                                  args.temperature, args.shared_prefix) if reference is not None else None)
+    for k, c in enumerate(conversations):
+        c.old_logprobs = old[k].tolist()
+        c.ref_logprobs = ref[k].tolist() if ref is not None else c.old_logprobs
+    return gap
+
+
+def blank(conversation):
+    """A copy of `conversation` with zero old/reference log-probs and advantage: the weight-0 pass
+    of a rank with nothing to train (its backward still joins DDP's all-reduce)."""
+    zeros = [0.0] * len(conversation.response_ids)
+    return dataclasses.replace(conversation, old_logprobs=zeros, ref_logprobs=zeros, advantage=0.0)
+
+
+def ppo_updates(accelerator, model, optimizer, conversations, filler, with_reference, pad_id, args):
+    """--ppo_epochs passes over the step's conversations in mini-batches of mini_batch_size x G
+    conversations (in rollout order, as released), one optimizer update each. Every rank makes
+    the same number of updates (none when no rank has anything to train). Returns (metrics summed
+    over updates, weighted by tokens; the updates' gradient norms)."""
+    model.train()
+    n_all = accelerator.reduce(torch.tensor(float(len(conversations)), device=accelerator.device), "sum").item()
+    n_mini = math.ceil(n_all / (args.mini_batch_size * args.group_size))  # the same on every rank
+    sums, grad_norms = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "ratio": 0.0}, []
+    if n_mini == 0:  # no rank has anything to train (every group tied and skipped): no update, on any rank
+        return sums, grad_norms
+    bounds = [round(m * len(conversations) / n_mini) for m in range(n_mini + 1)]  # this rank's share of each
+
+    def grpo_loss(logprobs, entropy, f, num_tokens):
+        return grpo.policy_loss(logprobs, f["old_logprobs"], f["advantage"], f["loss_mask"],
+                                f["ref_logprobs"] if with_reference else None, clip_eps=args.clip_eps,
+                                clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef,
+                                entropy=entropy if args.entropy_coef else entropy.detach(),  # logged; no backward
+                                entropy_coef=args.entropy_coef, num_tokens=num_tokens)
+
+    for epoch in range(args.ppo_epochs):
+        for m in range(n_mini):
+            mini = sorted(conversations[bounds[m]:bounds[m + 1]], key=len)  # similar lengths per micro-batch
+            grad_norm, loss, metrics, _ = optimizer_update(
+                accelerator, model, optimizer, mini, filler, pad_id, args, ("old_logprobs", "ref_logprobs", "advantage"),
+                grpo_loss, temperature=args.temperature)
+            sums["loss"] += loss
+            for key in ("kl", "clip_frac", "entropy", "ratio"):
+                sums[key] += metrics[key]
+            grad_norms.append(grad_norm)
+    return sums, grad_norms
+
+
+def optimizer_update(accelerator, model, optimizer, mini, filler, pad_id, args, fields, loss_fn,
+                     temperature=1.0, return_entropy=True, autocast=True):
+    """One optimizer update over `mini` (this rank's conversations), accumulated over micro-batches:
+
+        for micro in micro-batches of --micro_batch_size conversations:
+            logprobs = token_logprobs(micro)                         (grpo.micro_logprobs)
+            backward(loss_fn(logprobs, ..., num_tokens))             a sum over tokens / num_tokens
+        clip the gradient norm; optimizer.step()
+
+    Every trained token weighs the same wherever it lands: num_tokens = (trained tokens on all
+    ranks) / world, since DDP averages gradients over ranks; and every rank runs the same number of
+    passes, since each rank's last backward joins DDP's all-reduce: a rank with fewer adds passes
+    of weight 0 over `filler` (`agree_across_ranks`). With --shared_prefix the prefixes the
+    conversations share are encoded once for the update (`encode_shared_prefixes`, section 5).
     Returns (grad norm, summed loss, metrics summed weighted by tokens, tokens on this rank)."""
-    device = accelerator.device
     precision = accelerator.autocast if autocast else contextlib.nullcontext
-    shared = (getattr(args, "shared_prefix", False) and accelerator.distributed_type != DistributedType.FSDP
-              and accelerator.scaler is None)
-    p, m = grpo.common_prefix(mini + fallback) if shared else None, args.micro_batch_size
+    m = args.micro_batch_size
     chunks = [mini[i:i + m] for i in range(0, len(mini), m)]
-    with precision(), torch.no_grad():
-        prefixes, _ = grpo.encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True),
-                                           chunks or [fallback], p)
-    stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), len(chunks), not prefixes], device=device, dtype=torch.float64)
-    global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
-    n_micro, unshared = (int(x) for x in accelerator.reduce(stats[1:].clone(), "max").tolist())
-    prefixes = {} if unshared else prefixes  # prefixes on every rank, or on none
-    for _, states in prefixes.values():
-        for x in (x for kv in states for x in kv):
-            x.requires_grad_()
-    micro_batches = (chunks + [fallback] * n_micro)[:n_micro]  # a rank with fewer passes adds some of weight 0
+    p, prefixes = encode_shared_prefixes(accelerator, model, chunks or [filler], mini + filler, args, precision)
+    global_tokens, n_micro, all_share = agree_across_ranks(accelerator, mini, chunks, prefixes)
+    prefixes = prefixes if all_share else {}
+    num_tokens = max(global_tokens, 1.0) / accelerator.num_processes
     total_loss, sums, tokens = 0.0, {}, 0.0
-    for u, micro in enumerate(micro_batches):
+    for u, micro in enumerate((chunks + [filler] * n_micro)[:n_micro]):
         weight = 1.0 if u < len(chunks) else 0.0
         synced = u == n_micro - 1 and not prefixes  # DDP all-reduces on this backward (else on the prefixes')
         with contextlib.nullcontext() if synced else accelerator.no_sync(model), precision():
-            out, f = grpo.micro_logprobs(model, micro, pad_id, device, ("loss_mask",) + fields, temperature,
-                                         return_entropy, prefix=prefixes.get(grpo.prefix_key(prefixes, micro), (0, None)))
+            out, f = grpo.micro_logprobs(model, micro, pad_id, accelerator.device, ("loss_mask",) + fields, temperature,
+                                         return_entropy, prefixes=prefixes)
             f["loss_mask"] = f["loss_mask"] * weight
             logprobs, entropy = out if return_entropy else (out, None)
-            loss, metrics = loss_fn(logprobs, entropy, f, max(global_tokens, 1.0) / accelerator.num_processes)
+            loss, metrics = loss_fn(logprobs, entropy, f, num_tokens)
             accelerator.backward(loss)
         n_here = float(f["loss_mask"].sum())
         total_loss, tokens = total_loss + loss.item(), tokens + n_here
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + value * n_here
     if prefixes and n_micro:
-        with precision():
-            again, logits = grpo.encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True),
-                                                 chunks or [fallback], p, first_model=model, count=False)
-            pairs = [(s, s0.grad) for k in prefixes for kv, kv0 in zip(again[k][1], prefixes[k][1])
-                     for s, s0 in zip(kv, kv0) if s0.grad is not None]
-            accelerator.backward(0.0 * logits + sum((s * g).sum() for s, g in pairs))
+        backward_shared_prefixes(accelerator, model, chunks or [filler], p, prefixes, precision)
     grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))  # the same on every rank
     if math.isfinite(grad_norm):
         optimizer.step()
@@ -243,34 +466,135 @@ def optimizer_update(accelerator, model, optimizer, mini, fallback, pad_id, args
     return grad_norm, total_loss, sums, tokens
 
 
-def peak_memory(reset=False):
-    """Peak memory in GB: the GPU's allocated peak, or (Linux) the process's resident high-water
-    mark, VmHWM; with `reset` the mark restarts from here, so that one phase can be measured."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
-        if reset:
-            torch.cuda.reset_peak_memory_stats()
-        return peak / 2**30
-    try:
-        peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-        if reset:
-            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident size
-        return peak / 2**30
-    except (OSError, IndexError):
-        return 0.0
+def agree_across_ranks(accelerator, mini, chunks, prefixes):
+    """What every rank must know before its micro-batches: the trained tokens on all ranks (the
+    token-mean's denominator), the most micro-batches any rank has (every rank runs that many),
+    and whether every rank has shared prefixes (their last pass is collective: all or none)."""
+    stats = torch.tensor([sum(sum(c.loss_mask) for c in mini), len(chunks), not prefixes], device=accelerator.device,
+                         dtype=torch.float64)
+    global_tokens = accelerator.reduce(stats[:1].clone(), "sum").item()
+    n_micro, unshared = (int(x) for x in accelerator.reduce(stats[1:].clone(), "max").tolist())
+    return global_tokens, n_micro, not unshared
 
 
-def release_freed_memory():
-    """Hand freed CPU memory back to the OS (glibc `malloc_trim`). The varying shapes of conversations
-    fragment glibc's heap, so its resident size only grows: in a probe of 6 updates of 8 conversations
-    of 600 to 1,000 tokens (float32) it went 6.0 -> 11.5 GB between updates, 1.9 GB with a trim after
-    each. No-op off glibc or on GPU."""
-    if torch.cuda.is_available():
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+def reduce_by_name(accelerator, values: dict, op: str = "sum") -> dict:
+    """{name: number} reduced over ranks (every rank passes the same names), in float64."""
+    names = sorted(values)
+    total = accelerator.reduce(torch.tensor([float(values[k]) for k in names], dtype=torch.float64,
+                                            device=accelerator.device), op)
+    return dict(zip(names, total.tolist()))
+
+
+def step_metrics(accelerator, step, batch, sums, grad_norms, gap, timing):
+    """The step's metrics.jsonl row: sums over all ranks, by name, then the means."""
+    sampled = [k for k, t in enumerate(batch.group) if batch.sampled(t)]
+    ts = batch.trajectories
+    ctx = [n for t in ts for n in t.context_tokens] or [0]
+    s = reduce_by_name(accelerator, dict(
+        groups=len(batch.questions), tied_groups=len(batch.tied), skipped_trajectories=len(batch.group) - len(batch.kept),
+        oracle_trajectories=len(batch.experts), oracle_reward=sum(t.reward for t in batch.experts),
+        evidence=sum(batch.evidence[k] for k in sampled), reward_trained=sum(batch.rewards[k] for k in sampled),
+        n=len(ts), reward=sum(t.reward for t in ts), em=sum(agent.exact_match(t.prediction, t.golden_answers) for t in ts),
+        f1=sum(agent.f1_score(t.prediction, t.golden_answers) for t in ts), format_valid=sum(t.reward > 0 for t in ts),
+        turns=sum(t.num_turns for t in ts), searches=sum(t.num_searches for t in ts),
+        conversations=len(batch.conversations), context=sum(ctx), context_count=len(ctx),
+        trained_tokens=sum(sum(c.loss_mask) for c in batch.conversations), encoded_tokens=grpo.ENCODED_TOKENS[0], **sums))
+    top = reduce_by_name(accelerator, dict(context_tokens_max=max(ctx), old_logprob_gap=gap), "max")
+    n, tok, updates = s["n"], max(s["trained_tokens"], 1), max(len(grad_norms), 1)
+    return {"phase": "grpo", "step": step, **{k: s[k] / n for k in ("reward", "em", "f1", "format_valid", "turns", "searches")},
+            "conversations_per_trajectory": s["conversations"] / n, "context_tokens_mean": s["context"] / max(s["context_count"], 1),
+            "context_tokens_max": top["context_tokens_max"], "trained_tokens": s["trained_tokens"],
+            "loss": s["loss"] / accelerator.num_processes / updates,
+            **{k: s[k] / tok for k in ("kl", "clip_frac", "entropy", "ratio")}, "grad_norm": sum(grad_norms) / updates,
+            "updates": len(grad_norms), "skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
+            "evidence": s["evidence"] / n, "reward_trained": s["reward_trained"] / n,
+            "oracle_trajectories": s["oracle_trajectories"], "oracle_reward": s["oracle_reward"] / max(s["oracle_trajectories"], 1),
+            "equal_reward_groups": s["tied_groups"] / s["groups"], "skipped_trajectories": s["skipped_trajectories"],
+            "old_logprob_gap": top["old_logprob_gap"], **timing, "encoded_tokens": s["encoded_tokens"]}
+
+
+def write_samples(output_dir, step, trajectories):
+    """samples.jsonl: a few of the step's trajectories in full (question, answer, reward, every turn)."""
+    with open(os.path.join(output_dir, "samples.jsonl"), "a") as f:
+        for t in trajectories:
+            f.write(json.dumps({"step": step, "question": t.question, "golden_answers": t.golden_answers,
+                                "prediction": t.prediction, "reward": t.reward, "end_reason": t.end_reason,
+                                "turns": t.turns}, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The small-budget recipe (toy preset; each part off in the paper preset): oracle trajectories
+#    in unsolved groups, evidence credit, tied groups skipped, and the warm start
+# ---------------------------------------------------------------------------------------------
+def oracle_trajectories(args, questions, trajectories, search, tokenizer, seed, rollout_kwargs):
+    """--oracle_per_group K: expert bootstrapping (David-GRPO, LUFFY). K trajectories of the oracle
+    (data/oracle.py) join the group of each question that has a reasoning chain, with
+    --oracle_when_unsolved only where no sampled trajectory earned reward 1. [] when K = 0."""
+    if not args.oracle_per_group:
+        return []
+    from data import oracle
+
+    solved = {t.qid for t in trajectories if t.reward >= 1.0} if args.oracle_when_unsolved else set()
+    return oracle.group_experts([q for q in questions if str(q["id"]) not in solved], search, tokenizer,
+                                args.oracle_per_group, max_turns=args.max_turns, seed=seed, **rollout_kwargs)
+
+
+def shaped_rewards(args, group, questions):
+    """--evidence_weight lambda (David-GRPO's evidence credit), for questions with supporting ids:
+
+        R = (1 - lambda) R_released + lambda E,    E = share of supporting passages retrieved
+
+    Returns (R per trajectory, E per trajectory); R = R_released when lambda = 0."""
+    supporting = {str(q["id"]): (q.get("metadata") or {}).get("supporting_ids") for q in questions}
+    evidence = [evidence_share(t, supporting[t.qid]) for t in group]
+    rewards = [(1 - args.evidence_weight) * t.reward + args.evidence_weight * e
+               if args.evidence_weight > 0 and supporting[t.qid] else t.reward for t, e in zip(group, evidence)]
+    return rewards, evidence
+
+
+def skip_tied_groups(args, group, advantages):
+    """The groups whose rewards are all equal (A = 0: no signal) and, with --skip_equal_groups
+    (DAPO, MemAgent), the trajectories left to train: the tied groups' skip the log-prob passes and
+    the update, and the token-mean is then over the kept tokens. Returns (tied qids, kept indices)."""
+    tied = {t.qid for t in group} - {t.qid for t, a in zip(group, advantages) if a != 0}
+    kept = [i for i, t in enumerate(group) if not (args.skip_equal_groups and t.qid in tied)]
+    return tied, kept
+
+
+def run_warm_start(accelerator, model, optimizer, tokenizer, reference, rollout_model, search, args, rollout_kwargs, log):
+    """--warm_start_steps supervised steps on oracle demonstrations, saved as warm_start/ (with
+    --resume a finished warm start is loaded, an interrupted one continued). GRPO then starts from
+    it with fresh AdamW moments at its own learning rate, and its KL reference is it."""
+    warm_dir, partial = (os.path.join(args.output_dir, name) for name in ("warm_start", "warm_start_partial"))
+    if args.resume and os.path.isfile(os.path.join(warm_dir, "trainer_state.json")):
+        accelerator.load_state(os.path.join(warm_dir, "state"))
+        accelerator.print(f"warm start already done: {warm_dir}")
+    else:
+        demos, stats = demonstrations(args, search, tokenizer, rollout_kwargs)
+        accelerator.print(f"oracle demonstrations: {stats['kept']} of {stats['offered']} questions kept, "
+                          f"{stats['conversations']} conversations, {stats['trained_tokens']} trained tokens")
+        for group in optimizer.param_groups:
+            group["lr"] = args.warm_start_lr
+        done = 0
+        if args.resume and os.path.isfile(os.path.join(partial, "trainer_state.json")):  # an interrupted warm start
+            accelerator.load_state(os.path.join(partial, "state"))
+            done = json.load(open(os.path.join(partial, "trainer_state.json")))["step"]
+            accelerator.print(f"warm start resumed from {partial} (step {done})")
+        if accelerator.is_main_process:
+            trim_logs(args.output_dir, "warm_start", done)
+        save = lambda step: save_checkpoint(accelerator, model, tokenizer, args, step, name="warm_start_partial")  # noqa: E731
+        warm_start(accelerator, model, optimizer, demos, tokenizer.pad_token_id, args, log, start=done, save=save)
+        save_checkpoint(accelerator, model, tokenizer, args, 0, name="warm_start")
+        if accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True)
+    optimizer.optimizer.state.clear()  # GRPO starts with fresh AdamW moments, at its own learning rate
+    for group in optimizer.param_groups:
+        group["lr"] = args.lr
+    if reference is not None:  # the KL reference is the warm-started policy: what RL starts from
+        if rollout_model is not None:
+            gather_full_weights(model, reference)
+        else:
+            reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
 
 
 def demonstrations(args, search, tokenizer, rollout_kwargs):
@@ -341,6 +665,82 @@ def float32_forward(accelerator, model):
         inner.forward = wrapped
 
 
+# ---------------------------------------------------------------------------------------------
+# 5. Speedup (exact): the update's shared prefixes, encoded once instead of once per row
+# ---------------------------------------------------------------------------------------------
+def encode_shared_prefixes(accelerator, model, micro_batches, conversations, args, precision):
+    """Speedup of the update's plain micro-batches, which run every row's whole prompt (what
+    `optimizer_update` does with `prefixes = {}`, as with --no_shared_prefix):
+
+        grpo.micro_logprobs(model, micro, ..., prefixes={})
+
+    The prefixes the rank's conversations share (the system prompt; a group's turn-1 prompt) are
+    encoded once, without grad (`grpo.encode_prefixes`); every micro-batch attends to their
+    states S, leaves whose gradient G collects the micro-batches' shares, and
+    `backward_shared_prefixes` sends G through the prefix computation at the end. Proven equal to
+    the plain update (parameters after one update, 1e-5): tests/test_train.py::
+    test_shared_prefix_update_equals_plain, and a whole step ::test_shared_prefix_step_equals_plain.
+    Returns (p, prefixes); (None, {}) when off: --no_shared_prefix, FSDP or an fp16 loss scaler."""
+    if not (getattr(args, "shared_prefix", False) and accelerator.distributed_type != DistributedType.FSDP
+            and accelerator.scaler is None):
+        return None, {}
+    p = grpo.common_prefix(conversations)
+    with precision(), torch.no_grad():
+        prefixes, _ = grpo.encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True), micro_batches, p)
+    for _, states in prefixes.values():
+        for x in (x for kv in states for x in kv):
+            x.requires_grad_()
+    return p, prefixes
+
+
+def backward_shared_prefixes(accelerator, model, micro_batches, p, prefixes, precision):
+    """The prefixes' share of the gradient: run them again with grad and backpropagate sum(S * G),
+    whose gradient with respect to S is G, so the weights receive every micro-batch's share through
+    the one prefix computation (what each row's own copy would have sent them). It runs after the
+    micro-batches, so its activations never share memory with theirs, and it is the backward DDP
+    all-reduces on: its first pass goes through the DDP module, once on every rank, and the passes'
+    last logits join at weight 0 so that every weight takes part."""
+    with precision():
+        again, logits = grpo.encode_prefixes(accelerator.unwrap_model(model, keep_fp32_wrapper=True), micro_batches, p,
+                                             first_model=model, count=False)
+        pairs = [(s, s0.grad) for k in prefixes for kv, kv0 in zip(again[k][1], prefixes[k][1])
+                 for s, s0 in zip(kv, kv0) if s0.grad is not None]
+        accelerator.backward(0.0 * logits + sum((s * g).sum() for s, g in pairs))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Infrastructure: memory, precision, checkpoints, logs, the data order
+# ---------------------------------------------------------------------------------------------
+def peak_memory(reset=False):
+    """Peak memory in GB: the GPU's allocated peak, or (Linux) the process's resident high-water
+    mark, VmHWM; with `reset` the mark restarts from here, so that one phase can be measured."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return peak / 2**30
+    try:
+        peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+        if reset:
+            open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current resident size
+        return peak / 2**30
+    except (OSError, IndexError):
+        return 0.0
+
+
+def release_freed_memory():
+    """Hand freed CPU memory back to the OS (glibc `malloc_trim`). The varying shapes of conversations
+    fragment glibc's heap, so its resident size only grows: in a probe of 6 updates of 8 conversations
+    of 600 to 1,000 tokens (float32) it went 6.0 -> 11.5 GB between updates, 1.9 GB with a trim after
+    each. No-op off glibc or on GPU."""
+    if torch.cuda.is_available():
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def trim_logs(output_dir, phase, last_step):
     """On resume: drop the log rows an interrupted run wrote after its last checkpoint (rows of
     `phase` past `last_step`, and every row of a later phase), so metrics.jsonl and samples.jsonl
@@ -367,7 +767,7 @@ def trim_logs(output_dir, phase, last_step):
 def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
     """--mixed_precision auto: the launcher's bf16/fp16 (`accelerate launch --mixed_precision`) if it
     set one; else bf16 autocast on a machine without CUDA whose CPU has AMX bf16 units (about 2.5x
-    faster rollouts there, README); else none. The weights stay float32 whatever is chosen."""
+    faster rollouts there, docs/performance.md); else none. The weights stay float32 whatever is chosen."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise SystemExit(f"train.py: bad configuration: --mixed_precision must be auto, no, bf16 or fp16, not {choice!r}")
     if choice != "auto":
@@ -427,250 +827,6 @@ def step_questions(questions, step, batch_size, seed):
     order = list(range(len(questions)))
     random.Random(seed + epoch).shuffle(order)
     return [questions[i] for i in order[k * batch_size:(k + 1) * batch_size]]
-
-
-# ---------------------------------------------------------------------------------------------
-# 2 + 4. Set-up and the training loop
-# ---------------------------------------------------------------------------------------------
-def main(argv=None, generate_fn=None):
-    args = parse_args(argv)
-    multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
-    precision = resolve_precision(args.mixed_precision)
-    accelerator = Accelerator(cpu=multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
-                              log_with=args.report_to.split(",") if args.report_to else None)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    check_config(args, world, accelerator.distributed_type)
-    accelerator.print(f"precision: float32 weights, {'no autocast' if precision == 'no' else precision + ' autocast'} "
-                      f"(--mixed_precision {args.mixed_precision})")
-    questions = load_questions(args.train_data)
-    default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
-    system_prompt = agent.read_prompt_file(args.system_prompt, default_prompt)
-    memory_instruction = agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION)
-    if len(questions) < args.batch_size:
-        raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
-    set_seed(args.seed)
-    with accelerator.main_process_first():  # the main process builds a missing index cache first
-        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
-                                          device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
-    if args.retriever_url:  # fail fast if the server is not there
-        try:
-            search.search(["ping"], 1)
-        except ConnectionError as e:
-            raise SystemExit(f"train.py: --retriever_url: {e}") from None
-
-    model, tokenizer = agent.load_model(args.model, dtype=torch.float32)  # fp32 master weights
-    reference = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
-    sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
-    rollout_model = copy.deepcopy(model).eval().requires_grad_(False) if sharded else None
-    if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
-        enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers; the old name warns
-        if enable:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    for frozen in (reference, rollout_model):
-        if frozen is not None:
-            frozen.to(accelerator.device)
-    policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
-    pad_id, device = tokenizer.pad_token_id, accelerator.device
-    rollout_kwargs = dict(agent=args.agent, max_memory_tokens=args.max_memory_tokens, max_response_tokens=args.max_response_tokens,
-                          default_top_n=args.default_top_n, system_prompt=system_prompt, memory_instruction=memory_instruction)
-    # Old log-probs: those recorded while sampling equal a recomputation in float32 without autocast
-    # (tests/test_agent.py: parity 1e-4), so the toy preset skips that forward pass.
-    recorded_old = args.old_logprobs == "recorded" and accelerator.mixed_precision == "no"
-
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None and k != "source"})
-
-    def log(row):
-        if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(row) + "\n")
-        accelerator.log({f"{row['phase']}/{k}": v for k, v in row.items() if k != "phase"})
-
-    # --- warm start (toy preset, DESIGN §9): oracle demonstrations, saved as warm_start/; GRPO
-    # starts from it and its KL reference is it. --resume skips a finished warm start. ----------
-    warm_dir, partial = (os.path.join(args.output_dir, name) for name in ("warm_start", "warm_start_partial"))
-    if args.warm_start_steps > 0:
-        if args.resume and os.path.isfile(os.path.join(warm_dir, "trainer_state.json")):
-            accelerator.load_state(os.path.join(warm_dir, "state"))
-            accelerator.print(f"warm start already done: {warm_dir}")
-        else:
-            demos, stats = demonstrations(args, search, tokenizer, rollout_kwargs)
-            accelerator.print(f"oracle demonstrations: {stats['kept']} of {stats['offered']} questions kept, "
-                              f"{stats['conversations']} conversations, {stats['trained_tokens']} trained tokens")
-            for group in optimizer.param_groups:
-                group["lr"] = args.warm_start_lr
-            done = 0
-            if args.resume and os.path.isfile(os.path.join(partial, "trainer_state.json")):  # an interrupted warm start
-                accelerator.load_state(os.path.join(partial, "state"))
-                done = json.load(open(os.path.join(partial, "trainer_state.json")))["step"]
-                accelerator.print(f"warm start resumed from {partial} (step {done})")
-            if accelerator.is_main_process:
-                trim_logs(args.output_dir, "warm_start", done)
-            save = lambda step: save_checkpoint(accelerator, model, tokenizer, args, step, name="warm_start_partial")  # noqa: E731
-            warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=done, save=save)
-            save_checkpoint(accelerator, model, tokenizer, args, 0, name="warm_start")
-            if accelerator.is_main_process:
-                shutil.rmtree(partial, ignore_errors=True)
-        optimizer.optimizer.state.clear()  # GRPO starts with fresh AdamW moments, at its own learning rate
-        for group in optimizer.param_groups:
-            group["lr"] = args.lr
-        if reference is not None:  # the KL reference is the warm-started policy: what RL starts from
-            if sharded:
-                gather_full_weights(model, reference)
-            else:
-                reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
-
-    start_step = 0
-    if args.resume and list_checkpoints(args.output_dir):
-        last = list_checkpoints(args.output_dir)[-1]
-        accelerator.load_state(os.path.join(last, "state"))
-        start_step = json.load(open(os.path.join(last, "trainer_state.json")))["step"]
-        accelerator.print(f"resumed from {last} (step {start_step})")
-    if accelerator.is_main_process and args.max_steps > start_step:
-        trim_logs(args.output_dir, "grpo", start_step)
-    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
-               disable=not accelerator.is_main_process, desc="steps")
-
-    for step in bar:
-        # --- rollout: this rank's share of the step's questions, G trajectories each ----------
-        t0 = time.time()
-        grpo.ENCODED_TOKENS[0] = 0
-        batch = step_questions(questions, step, args.batch_size, args.seed)
-        share = args.batch_size // world
-        mine = batch[rank * share:(rank + 1) * share]
-        if sharded:
-            gather_full_weights(model, rollout_model)
-        torch.manual_seed(args.seed * 100003 + step * world + rank)  # sampling differs per rank and step
-        with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
-            trajectories = agent.rollout(
-                policy, tokenizer, mine, search, group_size=args.group_size, max_turns=args.max_turns,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                generate_fn=generate_fn, **rollout_kwargs)
-        release_freed_memory()
-        experts = []
-        if args.oracle_per_group:  # expert bootstrapping: the oracle's trajectories join their groups (data/oracle.py)
-            from data import oracle
-            solved = {t.qid for t in trajectories if t.reward >= 1.0} if args.oracle_when_unsolved else set()
-            experts = oracle.group_experts([q for q in mine if str(q["id"]) not in solved], search, tokenizer,
-                                           args.oracle_per_group, max_turns=args.max_turns,
-                                           seed=args.seed * 100003 + step * world + rank, **rollout_kwargs)
-        t_rollout = time.time() - t0
-
-        # --- rewards (+ evidence credit) -> group advantages over G sampled + K oracle trajectories
-        # -> one advantage per conversation (A_ij = A_i); --skip_equal_groups drops zero-signal groups
-        position = {str(q["id"]): k for k, q in enumerate(mine)}
-        group = sorted(trajectories + experts, key=lambda t: position[t.qid])  # a group's samples, then its oracle
-        oracle_made = {id(t) for t in experts}
-        supporting = {str(q["id"]): (q.get("metadata") or {}).get("supporting_ids") for q in mine}
-        evidence = [agent.evidence_share(t, supporting[t.qid]) for t in group]
-        rewards = [(1 - args.evidence_weight) * t.reward + args.evidence_weight * e
-                   if args.evidence_weight > 0 and supporting[t.qid] else t.reward for t, e in zip(group, evidence)]
-        advantages = grpo.group_advantages(rewards, [t.qid for t in group])
-        tied = {t.qid for t in group} - {t.qid for t, a in zip(group, advantages) if a != 0}
-        kept = [i for i, t in enumerate(group) if not (args.skip_equal_groups and t.qid in tied)]
-        conversations = [c for i in kept for c in group[i].conversations]
-        owner = [i for i in kept for _ in group[i].conversations]
-        conversation_advantages = grpo.propagate_advantages(advantages, owner)
-
-        # --- old log-probs (policy, before any update) and reference log-probs ----------------
-        t0 = time.time()
-        with accelerator.autocast():  # the same precision as the update's forward passes
-            recorded = [recorded_old and id(group[i]) not in oracle_made for i in owner]  # the oracle's: recomputed
-            recompute = [c for c, r in zip(conversations, recorded) if not r]
-            fresh = iter(grpo.response_logprobs(policy, recompute, pad_id, device, args.micro_batch_size,
-                                                 args.temperature, args.shared_prefix)
-                         if recompute else [])
-            old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
-            gap = max((float((torch.tensor(c.logprobs) - o).abs().mul(torch.tensor(c.loss_mask)).max()) for i, c, o
-                       in zip(owner, conversations, old) if id(group[i]) not in oracle_made and c.loss_mask), default=0.0)
-            ref = (grpo.response_logprobs(reference, conversations, pad_id, device, args.micro_batch_size,
-                                          args.temperature, args.shared_prefix)
-                   if reference is not None else None)
-        t_reference = time.time() - t0
-        for k, c in enumerate(conversations):  # attach what the update reads, per conversation
-            c.old_logprobs, c.advantage = old[k].tolist(), float(conversation_advantages[k])
-            c.ref_logprobs = ref[k].tolist() if ref is not None else c.old_logprobs
-            c.advantages = [c.advantage] * len(c.response_ids)
-
-        # --- PPO epochs: mini-batches of mini_batch_size x G conversations (one optimizer update
-        # each, in rollout order, as released), each a series of micro-batches ----------------------
-        t0, peak_before = time.time(), peak_memory(reset=True)  # the rollout's and log-prob passes' peak
-        model.train()
-        n_all = accelerator.reduce(torch.tensor(float(len(conversations)), device=device), "sum").item()
-        n_mini = math.ceil(n_all / (args.mini_batch_size * args.group_size))  # the same on every rank (0: all skipped)
-        bounds = [round(m * len(conversations) / n_mini) for m in range(n_mini + 1)]  # this rank's share of each
-        sums = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "ratio": 0.0}
-        grad_norms, skipped = [], 0
-        filler = conversations[:1] or group[0].conversations[:1]  # the zero-weight pass of a rank with nothing to train
-        for name in ("old_logprobs", "ref_logprobs", "advantages"):
-            for c in filler:
-                if not hasattr(c, name):
-                    setattr(c, name, [0.0] * len(c.response_ids))
-
-        def grpo_loss(logprobs, entropy, f, num_tokens):
-            return grpo.policy_loss(logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"],
-                                    f["ref_logprobs"] if reference is not None else None, clip_eps=args.clip_eps,
-                                    clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef,
-                                    entropy=entropy if args.entropy_coef else entropy.detach(),  # logged; no backward
-                                    entropy_coef=args.entropy_coef, num_tokens=num_tokens)
-
-        for epoch in range(args.ppo_epochs):
-            for m in range(n_mini):
-                mini = sorted(conversations[bounds[m]:bounds[m + 1]], key=len)  # similar lengths per micro-batch
-                grad_norm, loss, metrics, _ = optimizer_update(
-                    accelerator, model, optimizer, mini, filler, pad_id, args,
-                    ("old_logprobs", "ref_logprobs", "advantages"), grpo_loss, temperature=args.temperature)
-                sums["loss"] += loss
-                for key in ("kl", "clip_frac", "entropy", "ratio"):
-                    sums[key] += metrics[key]
-                grad_norms.append(grad_norm)
-                skipped += not math.isfinite(grad_norm)
-        t_update, peak_update = time.time() - t0, peak_memory(reset=True)
-
-        # --- metrics over all ranks, samples, checkpoint ---------------------------------------
-        em = [agent.exact_match(t.prediction, t.golden_answers) for t in trajectories]
-        f1 = [agent.f1_score(t.prediction, t.golden_answers) for t in trajectories]
-        ctx = [n for t in trajectories for n in t.context_tokens] or [0]
-        trained = sum(sum(c.loss_mask) for c in conversations)
-        sampled = [k for k, t in enumerate(group) if id(t) not in oracle_made]
-        local = torch.tensor([len(position), len(tied), len(group) - len(kept), len(experts),
-            sum(t.reward for t in experts), sum(evidence[k] for k in sampled), sum(rewards[k] for k in sampled),
-            len(trajectories), sum(t.reward for t in trajectories), sum(em), sum(f1),
-            sum(t.reward > 0 for t in trajectories), sum(t.num_turns for t in trajectories),
-            sum(t.num_searches for t in trajectories), len(conversations), sum(ctx), len(ctx), trained,
-            sums["loss"], sums["kl"], sums["clip_frac"], sums["entropy"], sums["ratio"]], dtype=torch.float64, device=device)
-        n_groups, equal_groups, skipped_trajectories, n_oracle, oracle_reward, evidence_sum, shaped_sum, *total = \
-            accelerator.reduce(local, "sum").tolist()
-        ctx_max = accelerator.reduce(torch.tensor(float(max(ctx)), device=device), "max").item()
-        n, tok = total[0], max(total[10], 1)
-        row = {"phase": "grpo", "step": step + 1, "reward": total[1] / n, "em": total[2] / n, "f1": total[3] / n, "format_valid": total[4] / n,
-               "turns": total[5] / n, "searches": total[6] / n, "conversations_per_trajectory": total[7] / n,
-               "context_tokens_mean": total[8] / max(total[9], 1), "context_tokens_max": ctx_max, "trained_tokens": total[10],
-               "loss": total[11] / world / max(len(grad_norms), 1), "kl": total[12] / tok, "clip_frac": total[13] / tok,
-               "entropy": total[14] / tok, "ratio": total[15] / tok, "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-               "updates": len(grad_norms), "skipped_updates": skipped, "evidence": evidence_sum / n,
-               "reward_trained": shaped_sum / n, "oracle_trajectories": n_oracle, "oracle_reward": oracle_reward / max(n_oracle, 1),
-               "equal_reward_groups": equal_groups / n_groups, "skipped_trajectories": skipped_trajectories,
-               "old_logprob_gap": accelerator.reduce(torch.tensor(gap, device=device), "max").item(),
-               "lr": optimizer.param_groups[0]["lr"], "seconds_rollout": t_rollout, "seconds_reference": t_reference,
-               "seconds_update": t_update, "peak_memory_gb": max(peak_before, peak_update), "peak_update_gb": peak_update,
-               "encoded_tokens": accelerator.reduce(torch.tensor(float(grpo.ENCODED_TOKENS[0]), device=device), "sum").item()}
-        log(row)
-        if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "samples.jsonl"), "a") as f:
-                for t in trajectories[:args.samples_per_step]:
-                    f.write(json.dumps({"step": step + 1, "question": t.question, "golden_answers": t.golden_answers,
-                                        "prediction": t.prediction, "reward": t.reward, "end_reason": t.end_reason,
-                                        "turns": t.turns}, ensure_ascii=False) + "\n")
-            bar.set_postfix(reward=f"{row['reward']:.3f}", turns=f"{row['turns']:.2f}", kl=f"{row['kl']:.4f}")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
-            save_checkpoint(accelerator, model, tokenizer, args, step + 1)
-    accelerator.end_training()
-    return model
 
 
 if __name__ == "__main__":

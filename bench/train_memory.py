@@ -158,11 +158,11 @@ def one_update(model, optimizer, conversations, pad_id, device, args, temperatur
     num_tokens = sum(sum(c.loss_mask) for c in conversations)
     padded = widest = 0
     for micro in batches:
-        ids, attn, start, f = grpo.pad_batch(micro, pad_id, device, ("loss_mask", "old_logprobs", "advantages"))
+        ids, attn, start, f = grpo.pad_batch(micro, pad_id, device, ("loss_mask", "old_logprobs", "advantage"))
         padded, widest = padded + ids.numel(), max(widest, ids.numel())
         logprobs, entropy = grpo.token_logprobs(model, ids, attn, temperature, response_start=start,
                                                 return_entropy=True)
-        loss, _ = grpo.policy_loss(logprobs, f["old_logprobs"], f["advantages"], f["loss_mask"], None,
+        loss, _ = grpo.policy_loss(logprobs, f["old_logprobs"], f["advantage"], f["loss_mask"], None,
                                    clip_eps=0.2, clip_ratio_c=3.0, entropy=entropy, entropy_coef=0.001,
                                    num_tokens=max(num_tokens, 1))
         loss.backward()
@@ -194,7 +194,7 @@ def run_variant(args):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
     trajectories, conversations, advantages = build_conversations(tokenizer, args.variant, args)
     for c, a in zip(conversations, advantages.tolist()):
-        c.advantages = [a] * len(c.response_ids)
+        c.advantage = a
     seconds, peaks, (padded, widest), grad_norm = one_update(model, optimizer, conversations, tokenizer.pad_token_id,
                                                    device, args)
     lengths = [len(c) for c in conversations]

@@ -1,4 +1,4 @@
-"""Oracle demonstrations for the embedded default's warm start (DESIGN §9).
+"""Oracle demonstrations for the embedded default's warm start (docs/design.md, "The warm start").
 
 The toy world records each question's reasoning chain (data/make_toy.py: per hop, the entity to
 search, the fact sentence and its passage, the hop's answer). The oracle is a scripted policy that
@@ -43,7 +43,7 @@ import agent  # noqa: E402
 # the fact it seeks (`Next I need the year of Ada Mole.`), the memory update names it again as it
 # quotes the passage, and the memory keeps each fact under that name (`labelled`), so the kind in
 # `That gives the ...` is copied from the memory rather than inferred from a sentence. What a 135M
-# model did and did not learn from each earlier wording: README, "Learning on the embedded default".
+# model did and did not learn from each earlier wording: docs/learning.md, "The log of tries".
 KIND = {  # relation (data/make_toy.py SPEC) -> what its fact gives; person roles stay apart
     "capital": "capital", "language": "language", "independence": "year", "country": "country",
     "height": "height", "climber": "first climber", "climb_year": "year", "length": "length",
@@ -308,6 +308,18 @@ def group_experts(rows: list[dict], search, tokenizer, k: int, *, max_turns: int
         return []
     return agent.rollout(None, tokenizer, rows, search, group_size=k, max_turns=max_turns,
                          generate_fn=Oracle(rows, seed=seed), **rollout_kwargs)
+
+
+def evidence_share(trajectory, supporting_ids) -> float:
+    """Evidence credit (David-GRPO's evidence-guided reward; train.py --evidence_weight) and the
+    evaluation's evidence recall: the share of the question's supporting passages whose corpus ids
+    are among the documents the trajectory retrieved.
+
+        E = |supporting ∩ retrieved| / |supporting|          (0 for a question without supporting ids)
+    """
+    wanted = {str(i) for i in supporting_ids or ()}
+    seen = {i for turn in trajectory.turns for ids in turn.get("document_ids", ()) for i in ids}
+    return len(wanted & seen) / len(wanted) if wanted else 0.0
 
 
 def main(argv=None):

@@ -2,7 +2,8 @@
 
 Rank r's trajectories search r * 2 times before answering, so ranks hold different numbers of
 conversations; answers are right or wrong at random (torch RNG, seeded per rank and step by
-train.py), so advantages are non-zero. Every generate call also runs one forward pass of the model
+train.py), so advantages are non-zero; the ranks in TEST_YES_ON_RANKS (e.g. "0" or "0,1") always
+answer "yes" instead, so all their groups are tied. Every generate call also runs one forward pass of the model
 it is given: ranks make different numbers of calls, which would hang if that model were sharded.
 At the end each rank saves its parameters (DDP) and a checksum of the weights each rollout saw.
 
@@ -21,6 +22,7 @@ import agent  # noqa: E402
 import train  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
+ALWAYS_YES = str(RANK) in os.environ.get("TEST_YES_ON_RANKS", "").split(",")  # these ranks always answer "yes"
 FSDP_VERSION = int(os.environ.get("TEST_FSDP_VERSION", "0"))
 CALL = '</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "%s"}}</tool_call>'
 CHECKSUMS = []  # the rollout weights' checksum, each time it changes
@@ -41,7 +43,7 @@ def scripted_generate(model, tokenizer, prompts, **sampling):
         elif searched < 2 * RANK:
             out = CALL % question[:40]
         else:
-            out = "</think>\n\\boxed{%s}" % ("yes" if torch.rand(()) < 0.5 else "no")
+            out = "</think>\n\\boxed{%s}" % ("yes" if ALWAYS_YES or torch.rand(()) < 0.5 else "no")
         ids = agent.encode(tokenizer, out) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
         outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
     return outs

@@ -466,7 +466,7 @@ def test_reward_by_hand():
     assert agent.compute_reward(head + "x</think>\\boxed{Vey}<|im_end|>", True, ["Osk"]) == 0.1
 
 
-# The released reward on edge cases (DESIGN §4). Each case is a list of assistant messages after the
+# The released reward on edge cases (docs/design.md, "Reward"). Each case is a list of assistant messages after the
 # prefilled "<think>" of the first; the tool turn between messages is masked text the check ignores.
 GOOD_CALL = '<tool_call>{"name": "wikipedia_search", "arguments": {"query": "x"}}</tool_call>'
 REWARD_CASES = [
@@ -567,13 +567,3 @@ def test_a_run_folder_stands_for_its_newest_checkpoint(tmp_path):
         (tmp_path / name / "config.json").unlink()
     assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path / "warm_start")
     assert agent.newest_checkpoint(str(tmp_path / "warm_start")) == str(tmp_path / "warm_start")
-
-
-def test_evidence_share_by_hand():
-    """E = |supporting ∩ retrieved| / |supporting|, over every turn's retrieved ids."""
-    t = agent.Trajectory(qid="q", question="?", golden_answers=["a"])
-    t.turns = [{"document_ids": [["1", "2"], []]}, {"document_ids": [["7", "2"]]}, {"generation": "no search"}]
-    assert agent.evidence_share(t, ["2", "7", "9"]) == pytest.approx(2 / 3)
-    assert agent.evidence_share(t, [7]) == 1.0  # ids compare as strings
-    assert agent.evidence_share(t, []) == 0.0 and agent.evidence_share(t, None) == 0.0
-    assert agent.evidence_share(agent.Trajectory(qid="q", question="?", golden_answers=["a"]), ["1"]) == 0.0

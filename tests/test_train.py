@@ -362,7 +362,7 @@ def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-# --- the warm start on oracle demonstrations (DESIGN §9) -----------------------------------------
+# --- the warm start on oracle demonstrations (docs/design.md) -----------------------------------
 def warm_args(tiny_lm_dir, world, out, **extra):
     """The tiny model on the demo world with the embedded encoder: warm start only, unless told."""
     args = dict(corpus=world / "corpus.jsonl", encoder="default", train_data=world / "train.jsonl", max_steps=0,
@@ -566,6 +566,43 @@ def test_skipping_equal_groups_only_changes_the_denominator(tiny_lm_dir, small_c
     assert any(g.abs().sum() > 0 for g in skipped)
     for a, b in zip(full, skipped):
         torch.testing.assert_close(b, a * scale, rtol=1e-4, atol=1e-9)
+
+
+def test_a_step_with_every_group_tied_trains_nothing_and_the_run_goes_on(tiny_lm_dir, small_corpus, tiny_encoder_dir,
+                                                                         yes_questions, tmp_path):
+    """--skip_equal_groups when every group of a step is tied (a random tiny model never earns a
+    reward, and these questions have no reasoning chains for the oracle): each step logs its row
+    with no update and every trajectory skipped, the weights stay as they were, and the run ends
+    with its checkpoint."""
+    out = tmp_path / "tied"
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=2, batch_size=2, group_size=2,
+                         mini_batch_size=2, train_data=yes_questions, skip_equal_groups=True, oracle_per_group=1))
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["reward"] == 0 and r["updates"] == 0 and r["skipped_trajectories"] == 4 and r["trained_tokens"] == 0
+               and r["equal_reward_groups"] == 1.0 for r in rows)
+    initial, saved = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).state_dict(), state(out / "checkpoint-2")
+    assert all(torch.equal(saved[k], initial[k]) for k in saved)
+
+
+@pytest.mark.parametrize("tied_ranks", ["0,1", "0"])
+def test_tied_groups_on_two_processes(two_process_args, tiny_lm_dir, tmp_path, tied_ranks):
+    """Two ranks under DDP, --skip_equal_groups. Every group tied on both ranks: no update on
+    either, together, and the run goes on. Every group tied on rank 0 only: rank 0 has nothing to
+    train and joins rank 1's updates with passes of weight 0; both ranks end equal and moved."""
+    rows_out = tmp_path / "run"
+    r0, r1 = run_two_processes(two_process_args(rows_out, skip_equal_groups=True), TEST_YES_ON_RANKS=tied_ranks)
+    rows = [json.loads(line) for line in open(rows_out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    initial = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).state_dict()
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    moved = not all(torch.equal(r0["params"][k], initial[k]) for k in r0["params"])
+    if tied_ranks == "0,1":
+        assert all(r["updates"] == 0 and r["skipped_trajectories"] == 8 and r["equal_reward_groups"] == 1.0 for r in rows)
+        assert not moved
+    else:
+        assert all(r["skipped_trajectories"] >= 4 for r in rows) and sum(r["updates"] for r in rows) > 0
+        assert moved
 
 
 def test_bf16_on_cpu_recomputes_old_logprobs(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path,
