@@ -241,7 +241,7 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Speedup: the log-softmax a chunk of rows at a time (selective_logprobs)
+# 5. Speedup (exact): the log-softmax a chunk of rows at a time (selective_logprobs)
 # ---------------------------------------------------------------------------------------------
 def selective_logprobs(logits, targets, temperature: float = 1.0, with_entropy: bool = False):
     """Speedup of the plain
@@ -321,7 +321,7 @@ def _row_chunks(logits: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Speedup: a shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
+# 6. Speedup (exact): a shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
 # ---------------------------------------------------------------------------------------------
 def common_prefix(conversations) -> int:
     """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
