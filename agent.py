@@ -45,17 +45,32 @@ def default_model_file() -> str:
     return path
 
 
+def check_transformers(version: str | None = None):
+    """The code uses transformers' 5.x cache API (`generate(cache=...)`, cache layers): 5.24 <= version < 6."""
+    import transformers
+
+    version = version or transformers.__version__
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if not (5, 24) <= major_minor < (6, 0):
+        raise ImportError(f"memsearcher needs transformers>=5.24,<6 (found {version}): pip install -r requirements.txt")
+
+
+def is_model_folder(path: str) -> bool:
+    """A saved model: a transformers folder (config.json) or a LoRA adapter (adapter_config.json)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json"))
+
+
 def newest_checkpoint(path: str) -> str:
-    """A train.py output folder (no config.json inside) stands for its newest checkpoint-N/, or its
+    """A train.py output folder (no model inside) stands for its newest checkpoint-N/, or its
     warm_start/ when GRPO has not saved one yet."""
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+    if not os.path.isdir(path) or is_model_folder(path):
         return path
     steps = [int(d.rsplit("-", 1)[1]) for d in os.listdir(path) if re.fullmatch(r"checkpoint-\d+", d)
-             and os.path.isfile(os.path.join(path, d, "config.json"))]
+             and is_model_folder(os.path.join(path, d))]
     if steps:
         return os.path.join(path, f"checkpoint-{max(steps)}")
     warm = os.path.join(path, "warm_start")
-    return warm if os.path.isfile(os.path.join(warm, "config.json")) else path
+    return warm if is_model_folder(warm) else path
 
 
 def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None):
@@ -66,26 +81,82 @@ def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32,
     A GGUF model is de-quantized by transformers on load; we clear its quantization markers so the
     result is an ordinary model that trains in float32 and saves with `save_pretrained`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    check_transformers()
     path = default_model_file() if name in (None, "default") else newest_checkpoint(name)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA checkpoint of train.py
+        return load_merged(path, dtype, device)
     kwargs = {}
     if path.endswith(".gguf"):
         if importlib.util.find_spec("gguf") is None:
             raise ImportError(f"Loading a GGUF model needs the `gguf` package: {INSTALL_HINT}")
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer = load_tokenizer(path, kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if kwargs:  # GGUF: the weights are already plain float tensors; drop the quantizer markers
         model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-    tokenizer.padding_side = "left"  # generation and training both use left padding
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if device is not None:
         model.to(device)
     return model, tokenizer
+
+
+def load_tokenizer(path: str, kwargs: dict):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer.padding_side = "left"  # generation and training both use left padding
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def peft_module():
+    """peft, an optional dependency: only LoRA (train.py --lora_rank) needs it."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA (--lora_rank, or loading a LoRA checkpoint) needs the optional package peft: "
+                          "pip install 'peft>=0.13'") from None
+    return peft
+
+
+def add_adapter(model, rank: int, alpha: float, target_modules: str):
+    """The model with LoRA adapters (Hu et al. 2021) on `target_modules` (comma-separated names of
+    linear layers, e.g. q_proj,v_proj): W x + (alpha / rank) B A x, B = 0 at the start, so the
+    adapted model starts equal to the base. Only A and B train; the base stays frozen in its dtype
+    (the adapters are kept in float32 even over a bfloat16 base). No dropout: the old log-probs
+    (eval mode) and the update (train mode) must score the same policy."""
+    peft = peft_module()
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                             target_modules=[m.strip() for m in target_modules.split(",") if m.strip()])
+    return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
+
+
+def load_merged(path: str, dtype: torch.dtype = torch.float32, device=None):
+    """A LoRA checkpoint of train.py (adapter_config.json, adapter weights, tokenizer, and
+    trainer_state.json naming the base model): the base with the adapter merged into its weights,
+    an ordinary model (for evaluation, or to continue training from)."""
+    peft = peft_module()
+    state = os.path.join(path, "trainer_state.json")
+    base = (json.load(open(state))["args"]["model"] if os.path.isfile(state)
+            else json.load(open(os.path.join(path, "adapter_config.json")))["base_model_name_or_path"])
+    model, _ = load_model(base, dtype=dtype)
+    model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
+    tokenizer = load_tokenizer(path, {})
+    if device is not None:
+        model.to(device)
+    return model, tokenizer
+
+
+def save_merged(checkpoint: str, output_dir: str):
+    """Merge a LoRA checkpoint into its base and save a plain model folder (loadable by transformers
+    and vLLM):  python -c "import agent; agent.save_merged('runs/lora/checkpoint-20', 'runs/lora/merged')" """
+    model, tokenizer = load_merged(checkpoint)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -722,6 +793,7 @@ class CachedGenerate:
             mask = torch.cat([seq_mask[:, :w].gather(1, keep), seq_mask[:, w:], new_mask], 1)
             cache = self.cache
         else:  # a fresh batch: its shared prefix once, then the rest of each prompt
+            self.sequences = self.mask = self.cache = None  # free the previous call's cache before this one's
             p = self._prefix(model, prompts)
             rest_ids, rest_mask = left_pad([q[p:] for q in prompts], pad, device)
             prefix_ids = torch.tensor(self.prefix_ids[:p], device=device).expand(len(prompts), -1)

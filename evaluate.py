@@ -439,6 +439,8 @@ def parse_args(argv=None):
     ap.add_argument("--max_memory_tokens", type=int, default=None, help="memory cap (none by default, as released)")
     ap.add_argument("--max_response_tokens", type=int, default=16384, help="a conversation's response budget (ReAct grows)")
     ap.add_argument("--default_top_n", type=int, default=5, help="passages for a call without top_n (the release's server: 10)")
+    ap.add_argument("--retriever_timeout", type=float, default=300.0, help="seconds a request to --retriever_url may take before it is tried again")
+    ap.add_argument("--retriever_retries", type=int, default=5, help="tries after the first for a failed request (timeouts, 5xx), waits 1, 2, 4, ... s")
     ap.add_argument("--doc_format", default="release", choices=["release", "search-r1"], help="how results are shown")
     ap.add_argument("--system_prompt", default=None, help="a file with the system prompt (e.g. the release's wording)")
     ap.add_argument("--memory_instruction", default=None, help="a file with the memory-update instruction")
@@ -473,6 +475,7 @@ def main(argv=None, generate_fn=None):
     set_seed(args.seed)
     with accelerator.main_process_first():  # also: every rank has read the old files before any writes
         search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
+                                          timeout=args.retriever_timeout, retries=args.retriever_retries,
                                           device=device if device.type == "cuda" else "cpu") if mine else None
     if mine and args.retriever_url:  # fail fast if the server is not there
         search.search(["ping"], 1)

@@ -441,5 +441,6 @@ def _device(model):
 
 def _cache_kwarg(model) -> str:
     """transformers 5 calls the model's cache argument `cache`, earlier versions `past_key_values`."""
-    forward = getattr(model, "module", model).forward
+    inner = getattr(model, "module", model)  # DDP
+    forward = (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).forward  # a LoRA (peft) model's base
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

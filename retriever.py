@@ -16,10 +16,12 @@ This file imports no other project file.
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import urllib.error
@@ -28,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import faiss
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -82,16 +83,22 @@ class Encoder:
 
     @torch.inference_mode()
     def encode(self, texts: list[str], kind: str = "query", progress: bool = False) -> np.ndarray:
-        """Embed texts as float32 unit vectors [n, dim]; kind picks the prefix ("query"/"passage")."""
+        """Embed texts as float32 unit vectors [n, dim]; kind picks the prefix ("query"/"passage").
+
+        The model always runs outside autocast, in its own dtype (float32 on CPU, float16 on GPU),
+        the way the index's passages were encoded: the training loop searches from inside
+        `torch.autocast` (bf16), which would otherwise encode its queries at a lower precision
+        than the passages they are compared with."""
         prefix = self.query_prefix if kind == "query" else self.passage_prefix
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         starts = range(0, len(texts), self.batch_size)
         for s in tqdm(starts, desc=f"encoding {kind}s", disable=not progress):
             batch = self.tokenizer([prefix + t for t in texts[s:s + self.batch_size]], padding=True,
                                    truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
-            hidden = self.model(**batch).last_hidden_state
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            with torch.autocast(device_type=self.device.type, enabled=False):  # a caller's autocast stops here
+                hidden = self.model(**batch).last_hidden_state
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
             out[s:s + len(pooled)] = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu().numpy()
         return out
 
@@ -216,6 +223,8 @@ def index_stamp(corpus: Corpus, encoder_name: str) -> dict:
 def build_index(corpus: Corpus, encoder: Encoder, index_path: str, chunk: int = 8192) -> faiss.Index:
     """Encode every passage (with the passage prefix) into an IndexFlatIP; row i = corpus line i.
     Written to a temporary name and renamed, so an interrupted build leaves no half index."""
+    import faiss  # imported where an index is built or read: a remote retriever needs none
+
     index = faiss.IndexFlatIP(encoder.dim)
     for s in tqdm(range(0, len(corpus), chunk), desc="building index", disable=len(corpus) <= chunk):
         texts = [corpus[i]["contents"] for i in range(s, min(s + chunk, len(corpus)))]
@@ -235,6 +244,8 @@ def read_index(path: str, mmap: bool = True) -> faiss.Index:
     rank for wiki-18's e5_Flat.index). Such an index cannot be added to, and its file must be
     replaced by renaming (as build_index does), never rewritten in place. Where faiss lacks the
     flag (older builds) or cannot map the file, it is read plainly."""
+    import faiss
+
     flag = getattr(faiss, "IO_FLAG_MMAP_IFC", None)
     if mmap and flag is not None:
         try:
@@ -315,12 +326,13 @@ def cache_is_fresh(index_path: str, corpus: Corpus, encoder_name: str) -> bool:
 
 def open_retriever(corpus: str | None = None, index: str | None = None, encoder: str | None = None,
                    url: str | None = None, device=None, doc_format: str = "search-r1", api: str | None = None,
-                   mmap: bool = True):
-    """The search tool for a run: a `RemoteRetriever` when `url` is given (`api` as there), else a
-    local index. Without an index path the index is cached beside the corpus and built on first
-    use; an existing index file is memory-mapped unless `mmap=False` (see read_index)."""
+                   mmap: bool = True, timeout: float = 300.0, retries: int = 5):
+    """The search tool for a run: a `RemoteRetriever` when `url` is given (`api`, `timeout` and
+    `retries` as there), else a local index. Without an index path the index is cached beside the
+    corpus and built on first use; an existing index file is memory-mapped unless `mmap=False`
+    (see read_index)."""
     if url:
-        return RemoteRetriever(url, api=api, doc_format=doc_format)
+        return RemoteRetriever(url, timeout=timeout, api=api, doc_format=doc_format, retries=retries)
     encoder_name = encoder or "default"
     corp = Corpus(corpus or DEFAULT_CORPUS)
     enc = Encoder(encoder_name, device=device)
@@ -497,25 +509,86 @@ def endpoint(url: str, api: str | None) -> tuple[str, str]:
     return (base if named else f"{base}/{api}"), api
 
 
+MAX_BACKOFF = 60.0  # seconds: the longest wait between two tries of a request
+
+
+def retry_sleep(seconds: float):
+    """The wait between two tries of a request (a function of its own, so tests can replace it)."""
+    time.sleep(seconds)
+
+
+def describe(error: Exception) -> str:
+    """`TimeoutError: timed out`, `ConnectionRefusedError: [Errno 111] ...`: urllib's URLError
+    unwrapped to the error inside it."""
+    reason = getattr(error, "reason", error)
+    if not isinstance(reason, Exception):  # a URLError made from a plain string
+        reason = error
+    return f"{type(reason).__name__}: {reason}"
+
+
+def error_body(error: urllib.error.HTTPError) -> str:
+    """The start of an error answer's body (what the server says went wrong), if it can be read."""
+    try:
+        return error.read().decode(errors="replace")[:500]
+    except (OSError, http.client.HTTPException):
+        return "(body unreadable)"
+
+
+class RetryableError(Exception):
+    """A failed try that another try may fix: a timeout, a dropped connection, HTTP 5xx or 429."""
+
+
 class RemoteRetriever(Retriever):
     """Client of a retrieval server (ours, Search-R1's /retrieve, or the release's /search); same
     interface as a local Retriever, so every rank of a multi-GPU run can share one index server.
-    The release API takes one query a request: a batch is sent as concurrent requests."""
+    The release API takes one query a request: a batch is sent as concurrent requests.
 
-    def __init__(self, url: str, timeout: float = 60.0, api: str | None = None, doc_format: str = "search-r1"):
+    A long run must outlive a slow or briefly absent server, so each request gets `retries` more
+    tries after the first when it times out (`timeout` seconds for the connection or any read),
+    loses its connection, or is answered 5xx or 429; the waits between tries are `backoff`
+    seconds, doubling each time, at most MAX_BACKOFF. Other answers (400, 404, ...) are the
+    request's fault and raise RuntimeError at once. When every try failed: ConnectionError."""
+
+    def __init__(self, url: str, timeout: float = 300.0, api: str | None = None, doc_format: str = "search-r1",
+                 retries: int = 5, backoff: float = 1.0):
         self.url, self.api = endpoint(url, api)
-        self.timeout = timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds; got {timeout!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"retries must be an integer >= 0; got {retries!r}")
+        if not backoff >= 0:
+            raise ValueError(f"backoff must be >= 0 seconds; got {backoff!r}")
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.doc_format = check_choice(doc_format, DOC_FORMATS, "doc_format")
 
     def post(self, body: dict):
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        """POST a JSON body and read the JSON answer, trying up to 1 + retries times."""
+        data = json.dumps(body).encode()
+        tries = self.retries + 1
+        for k in range(1, tries + 1):
+            try:
+                return self.post_once(data)
+            except RetryableError as e:
+                last = e
+            if k < tries:
+                wait = min(self.backoff * 2 ** (k - 1), MAX_BACKOFF)
+                print(f"retriever: {self.url}: try {k}/{tries} failed ({last}); retrying in {wait:g} s", file=sys.stderr)
+                retry_sleep(wait)
+        raise ConnectionError(f"retriever unreachable at {self.url} after {tries} tr{'ies' if tries > 1 else 'y'}: {last}")
+
+    def post_once(self, data: bytes):
+        """One try: the answer, RetryableError for a failure worth another try, RuntimeError else."""
+        req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"retriever at {self.url} answered {e.code}: {e.read().decode(errors='replace')}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise ConnectionError(f"retriever unreachable at {self.url}: {e}") from None
+        except urllib.error.HTTPError as e:  # the server answered, with an error code
+            message = f"HTTP {e.code}: {error_body(e)}"
+            if e.code >= 500 or e.code == 429:  # the server's trouble (or it asks us to slow down)
+                raise RetryableError(message) from None
+            raise RuntimeError(f"retriever at {self.url} answered {message}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # timeouts included
+            raise RetryableError(describe(e)) from None
 
     def search(self, queries: list[str], topk: int = 5) -> list[list[Hit]]:
         if not queries:

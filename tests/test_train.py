@@ -1,5 +1,6 @@
 """train.py: one step, metrics and checkpoints, bf16 autocast, exact resume, and two-process CPU
 runs (torchrun, gloo) under DDP and FSDP."""
+import importlib.util
 import json
 import math
 import os
@@ -280,7 +281,7 @@ def test_remote_retriever(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_quest
     row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
     assert row["searches"] == 2.0 and len(queries) == 1 + 2 * 4  # the start-up check, then 2 per trajectory
     with pytest.raises(SystemExit, match="--retriever_url: retriever unreachable at http://127.0.0.1:9"):
-        train.main(argv[:-2] + ["--retriever_url", "http://127.0.0.1:9"])
+        train.main(argv[:-2] + ["--retriever_url", "http://127.0.0.1:9", "--retriever_retries", "0"])
 
 
 def test_resume_reproduces_the_next_step(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
@@ -333,6 +334,8 @@ def test_two_processes_with_unequal_conversations(ddp_run, tiny_lm_dir):
     # each step's rollout saw the same, current weights on both ranks: the initial ones, then step 1's
     assert len(r0["checksums"]) == 2 and r0["checksums"] == r1["checksums"]
     assert r0["checksums"][0] == pytest.approx(sum(v.double().sum().item() for v in initial.values()), rel=1e-9)
+    # the process group waits --timeout_minutes (60, not torch's 10 of NCCL), DDP's buckets are views of the grads
+    assert r0["settings"] == r1["settings"] == {"timeout": 60 * 60.0, "gradient_as_bucket_view": True}
 
 
 @pytest.fixture(scope="module")
@@ -681,3 +684,226 @@ def test_the_warm_start_stays_float32_under_bf16(tiny_lm_dir, demo_world, tmp_pa
             AcceleratorState._reset_state(reset_partial_state=True)
     a, b = state(tmp_path / "no" / "warm_start"), state(tmp_path / "bf16" / "warm_start")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- memory: frozen copies in the run's precision, rollout chunks, the fp16 scaler (docs/memory_plan.md)
+def test_mixed_precision_auto_on_cuda(monkeypatch):
+    """auto = bf16 on a GPU that supports it (Ampere and later), none on one that does not."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for supported, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        assert train.resolve_precision("auto") == expected
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the launcher's choice comes first
+    assert train.resolve_precision("auto") == "fp16"
+
+
+def test_frozen_copies_follow_the_runs_precision_and_logits_stay_bf16(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path):
+    """In a bf16 run the KL reference is a bfloat16 copy (half the bytes of float32), the trained
+    weights stay float32, and the forward passes return bf16 logits: accelerate's float32-output
+    wrapper (a float32 copy of every logits tensor) is taken off."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    args = train.parse_args(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, kl_coef=0.001))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model, _, tokenizer, reference, rollout_model = train.load_models(args, accelerator)
+        ids = torch.tensor([agent.encode(tokenizer, "Is fact number 3 true?")])
+        with accelerator.autocast():
+            logits = [m(input_ids=ids).logits.dtype for m in (model, accelerator.unwrap_model(model), reference)]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16} and rollout_model is None
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert logits == [torch.bfloat16] * 3
+
+
+def test_rollout_in_chunks_bounds_the_rows_per_generate_call(tiny_lm, tokenizer, monkeypatch):
+    """--rollout_batch_size 2 with G = 2: one question (2 rows) per generate call; greedy
+    trajectories equal those of one chunk, token for token."""
+    rows, generate = [], agent._generate
+    monkeypatch.setattr(agent, "_generate", lambda model, tok, ids, *a, **k: rows.append(ids.shape[0]) or generate(model, tok, ids, *a, **k))
+    questions = [{"id": f"q{i}", "question": f"Where was person {i} born?", "golden_answers": ["x"]} for i in range(3)]
+    search = lambda queries, topk: [f"A passage about {q}." for q in queries]  # noqa: E731
+    runs = []
+    for size in (0, 2):
+        rows.clear()
+        runs.append(train.rollout_in_chunks(tiny_lm, tokenizer, questions, search, size, 7, group_size=2, max_turns=2,
+                                            max_new_tokens=6, greedy=True))
+        assert max(rows) == (6 if size == 0 else 2)
+    assert [t.qid for t in runs[0]] == [t.qid for t in runs[1]] == ["q0", "q0", "q1", "q1", "q2", "q2"]
+    for a, b in zip(*runs):
+        assert [(c.prompt_ids, c.response_ids, c.loss_mask) for c in a.conversations] == \
+               [(c.prompt_ids, c.response_ids, c.loss_mask) for c in b.conversations]
+
+
+def test_an_fp16_loss_scaler_sees_every_overflow(monkeypatch):
+    """A non-finite gradient under an fp16 loss scaler: no weight moves, and the scale halves (the
+    scaler's step and update run); without it the scale would stay and every later step overflow."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # the wrapper reads the process's accelerate state
+    layer = torch.nn.Linear(2, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(layer.parameters(), lr=1.0), device_placement=False, scaler=scaler)
+
+    def clip(params, max_norm):
+        scaler.unscale_(optimizer.optimizer)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    accelerator = SimpleNamespace(scaler=scaler, clip_grad_norm_=clip, print=lambda *a: None)
+    before = [p.detach().clone() for p in layer.parameters()]
+    scaler.scale(layer(torch.tensor([[float("inf"), 1.0]])).sum()).backward()
+    assert not math.isfinite(train.step_optimizer(accelerator, layer, optimizer, 1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    assert scaler.get_scale() == 2.0 ** 15
+    scaler.scale(layer(torch.ones(1, 2)).sum()).backward()  # a finite step then moves the weights
+    assert math.isfinite(train.step_optimizer(accelerator, layer, optimizer, 1.0))
+    assert not all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+
+
+# --- LoRA: adapters train, the base is the reference ------------------------------------------------
+NEEDS_PEFT = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRA needs peft (make test installs it)")
+
+
+def adapter_state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@NEEDS_PEFT
+def test_a_lora_update_changes_only_the_adapter(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
+    """--lora_rank 4: one GRPO update moves the adapters (B from 0) and no base weight; the
+    checkpoint holds the adapter alone, and agent.load_model merges it into the base."""
+    from scripted_policy import scripted_generate
+
+    model = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, batch_size=4,
+                                 mini_batch_size=4, train_data=yes_questions, weight_decay=0.0, lora_rank=4, lora_alpha=8),
+                       generate_fn=scripted_generate)
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["updates"] == 1 and row["grad_norm"] > 0 and row["kl"] == pytest.approx(0.0, abs=1e-6)
+    base, trained = state(tiny_lm_dir), adapter_state(model)
+    lora = {k: v for k, v in trained.items() if "lora_" in k}
+    assert lora and all("lora_A" in k or v.abs().sum() > 0 for k, v in lora.items())  # every B moved from 0
+    frozen = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in trained.items() if "lora_" not in k}
+    assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)
+    ckpt = tmp_path / "checkpoint-1"
+    assert (ckpt / "adapter_config.json").is_file() and not (ckpt / "model.safetensors").exists()
+    assert os.path.getsize(ckpt / "adapter_model.safetensors") < os.path.getsize(os.path.join(tiny_lm_dir, "model.safetensors"))
+    merged, _ = agent.load_model(str(tmp_path))  # the run folder: its newest checkpoint, merged
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    agent.save_merged(str(ckpt), str(tmp_path / "merged"))
+    assert (tmp_path / "merged" / "config.json").is_file()
+
+
+@NEEDS_PEFT
+def test_the_lora_reference_is_the_base_model(tiny_lm, tokenizer):
+    """With the adapter disabled, the policy's log-probs are the base model's exactly; enabled, they differ."""
+    import copy as copy_module
+    from types import SimpleNamespace
+
+    policy = agent.add_adapter(copy_module.deepcopy(tiny_lm), 4, 8, "q_proj,v_proj,down_proj")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    prompt = agent.encode(tokenizer, agent.memsearcher_prompt("Where was Velmora Quint born?", ""))
+    c = agent.Conversation(prompt_ids=prompt)
+    c.append(agent.encode(tokenizer, " I must look this up.</think>"), trained=True)
+    logprobs = lambda m: train.grpo.response_logprobs(m, [c], tokenizer.pad_token_id, "cpu", 1, 1.0)[0]  # noqa: E731
+    with train.reference_pass(SimpleNamespace(lora_rank=4), policy, None, "cpu") as reference:
+        assert reference is policy
+        disabled = logprobs(reference)
+    assert torch.equal(disabled, logprobs(tiny_lm))
+    assert not torch.allclose(logprobs(policy), disabled, atol=1e-3)
+
+
+@NEEDS_PEFT
+def test_a_lora_run_resumes_bit_exactly(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
+    common = dict(train_data=yes_questions, kl_coef=0.01, lora_rank=4, lora_alpha=8)
+    straight = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "straight", max_steps=2, **common))
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=1, **common))
+    state_files = os.listdir(tmp_path / "resumed" / "checkpoint-1" / "state")
+    resumed = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=2,
+                                   resume=True, **common))
+    a, b = adapter_state(straight), adapter_state(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lora = [k for k in a if "lora_B" in k]
+    assert lora and all(a[k].abs().sum() > 0 for k in lora)
+    size = os.path.getsize(tmp_path / "resumed" / "checkpoint-1" / "state" / "model.safetensors")
+    assert "model.safetensors" in state_files and size < os.path.getsize(os.path.join(tiny_lm_dir, "model.safetensors")) / 4
+
+
+@NEEDS_PEFT
+def test_lora_on_two_processes_ends_equal(two_process_args, tiny_lm_dir, tmp_path):
+    r0, r1 = run_two_processes(two_process_args(tmp_path, lora_rank=4, lora_alpha=8))
+    assert r0["params"].keys() == r1["params"].keys()
+    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in r0["params"].items())
+
+
+# --- on a GPU (bench/gpu_check.py runs these: MEMSEARCHER_TEST_CUDA=1 pytest -m cuda) ----------------
+def cuda_step(tiny_lm_dir, tmp_path, **extra):
+    """One GRPO step on the GPU through train.py's own parts (no retriever: a stand-in search), in
+    the precision `--mixed_precision auto` picks there. Returns (policy, reference, policy before, grad norms)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    argv = ["--model", tiny_lm_dir, "--output_dir", str(tmp_path), "--preset", "paper", "--kl_coef", "0.001",
+            "--group_size", "2", "--micro_batch_size", "2", "--mini_batch_size", "2", "--batch_size", "2"]
+    for k, v in extra.items():
+        argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
+    args = train.parse_args(argv)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(mixed_precision=train.resolve_precision(args.mixed_precision))
+        assert accelerator.mixed_precision == "bf16" and accelerator.device.type == "cuda"
+        model, optimizer, tokenizer, reference, _ = train.load_models(args, accelerator)
+        policy = accelerator.unwrap_model(model)
+        before = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        questions = [{"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]} for i in range(2)]
+        search = lambda queries, topk: [f"A passage about {q}." for q in queries]  # noqa: E731
+        with accelerator.autocast():
+            trajectories = train.rollout_in_chunks(policy, tokenizer, questions, search, args.rollout_batch_size, 0,
+                                                   group_size=2, max_turns=2, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
+        conversations = [c for t in trajectories for c in t.conversations]
+        for k, c in enumerate(conversations):
+            c.advantage = 1.0 if k % 2 else -1.0
+        with accelerator.autocast():
+            train.old_and_reference_logprobs(args, accelerator, policy, reference, conversations, [True] * len(conversations),
+                                             tokenizer.pad_token_id)
+        _, grad_norms = train.ppo_updates(accelerator, model, optimizer, conversations, conversations[:1], True,
+                                          tokenizer.pad_token_id, args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return policy, reference, before, grad_norms
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("reference_on_cpu", [False, True])
+def test_a_bf16_step_on_cuda(tiny_lm_dir, tmp_path, reference_on_cpu):
+    """auto = bf16 on the GPU: float32 trained weights, a bf16 reference (on the CPU between its
+    passes with --reference_on_cpu), finite gradients, the weights move."""
+    policy, reference, before, grad_norms = cuda_step(tiny_lm_dir, tmp_path, **({"reference_on_cpu": True} if reference_on_cpu else {}))
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert next(reference.parameters()).device.type == ("cpu" if reference_on_cpu else "cuda")
+    assert grad_norms and all(math.isfinite(g) and g > 0 for g in grad_norms)
+    assert any(not torch.equal(v, policy.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.cuda
+@NEEDS_PEFT
+def test_a_lora_step_on_cuda(tiny_lm_dir, tmp_path):
+    """LoRA in a bf16 run: the base frozen in bf16, float32 adapters; only the adapters move."""
+    policy, reference, before, grad_norms = cuda_step(tiny_lm_dir, tmp_path, lora_rank=4, lora_alpha=8)
+    assert reference is None and grad_norms and all(math.isfinite(g) for g in grad_norms)
+    after = policy.state_dict()
+    assert {v.dtype for k, v in after.items() if "lora_" not in k} == {torch.bfloat16}
+    assert {v.dtype for k, v in after.items() if "lora_" in k} == {torch.float32}
+    moved = {k for k, v in before.items() if not torch.equal(v, after[k])}
+    assert moved and all("lora_B" in k for k in moved)
