@@ -129,6 +129,7 @@ def parse_args(argv=None):
                     help="defaults to use: toy (embedded model, CPU-sized) unless --model names another model")
     for name, toy, paper, help_ in HYPERPARAMETERS:
         kind = {bool: "flag", int: int, float: float}.get(type(toy), str)
+        help_ = help_.replace("%", "%%")  # argparse formats help strings with %
         if kind == "flag":
             ap.add_argument(f"--{name}", action="store_true", default=None, help=f"{help_} (toy: {toy}; paper: {paper})")
             ap.add_argument(f"--no_{name}", dest=name, action="store_false", help=argparse.SUPPRESS)

@@ -141,6 +141,15 @@ def test_config_errors_fail_fast(tmp_path):
         train.check_config(train.parse_args([]), world_size=1, distributed_type=train.DistributedType.DEEPSPEED)
 
 
+def test_help_lists_every_flag_with_both_presets(capsys):
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert all(f"--{name}" in text for name, *_ in train.HYPERPARAMETERS)
+    assert "(toy: 0; paper: 64)" in text and "update +8%" in text
+
+
 def test_presets_and_overrides():
     toy = train.parse_args([])
     paper = train.parse_args(["--model", "Qwen/Qwen2.5-3B-Instruct"])
