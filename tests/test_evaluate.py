@@ -340,3 +340,55 @@ def test_evidence_recall_by_hand():
     assert with_ids["evidence"] == 0.5 and without["evidence"] is None
     assert evaluate.summarize([with_ids, without, dict(with_ids, evidence=1.0)])["evidence_recall"] == 0.75
     assert evaluate.summarize([without])["evidence_recall"] is None
+
+
+# --- what a policy did, by question type (bench/rl_worlds.py), by hand ---------------------------
+def test_world_behaviour_by_type_by_hand():
+    """F1 and searches per type, end reasons, and a bridge's second hop counted only once the first
+    hop's answer reached the memory; a prediction of another world's question is refused."""
+    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
+    worlds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worlds)
+    hop = lambda name, pid, answer: {"search": name, "passage_id": pid, "answer": answer}  # noqa: E731
+    chain = [hop("Mabeland", "7", "Ithstad"), hop("Ithstad", "8", "38,206")]
+    rows = {"s": {"metadata": {"type": "single", "chain": [hop("Osk", "9", "1911")]}},
+            "b1": {"metadata": {"type": "bridge", "chain": chain}}, "b2": {"metadata": {"type": "bridge", "chain": chain}}}
+    passages = {"7": "Mabeland has its capital in Ithstad.", "8": "It has 38,206 people.", "9": "Osk was built in 1911."}
+    first = {"queries": ["Mabeland"], "documents": ["Mabeland has its capital in Ithstad."], "memory": "Capital: Ithstad."}
+    p = lambda qid, f1, searches, end, turns: {"id": qid, "f1": f1, "em": float(f1 == 1), "reward": 1.0 if end == "answer" else 0.0,  # noqa: E731
+                                              "num_searches": searches, "end_reason": end, "turns": turns}
+    predictions = [p("s", 1.0, 1, "answer", []),
+                   p("b1", 0.5, 2, "answer", [first, {"queries": ["ithstad population"], "documents": [], "memory": ""}]),
+                   p("b2", 0.0, 5, "max_turns", [{**first, "memory": "nothing kept"}, {"queries": ["Ithstad"]}])]
+    b = worlds.behaviour(predictions, rows, passages)
+    assert b["n"] == 3 and b["ends"] == {"answer": 2, "max_turns": 1} and b["turn_limit"] == pytest.approx(1 / 3)
+    assert b["f1"][0] == pytest.approx(0.5) and b["format_valid"][0] == pytest.approx(2 / 3)
+    assert b["types"]["single"] == {"n": 1, "f1": 1.0, "searches": 1.0}
+    # b2 searched Ithstad too, but hop 1's answer never reached its memory: only b1 counts
+    assert b["types"]["bridge"] == {"n": 2, "f1": 0.25, "searches": 3.5, "hop2_searched": 0.5}
+    assert b["types"]["comparison"]["n"] == 0
+    with pytest.raises(SystemExit, match="not a question of this world"):
+        worlds.behaviour([p("other", 0.0, 0, "answer", [])], rows, passages)
+
+
+def test_world_goals_read_by_hand():
+    """bench/rl_worlds.goals: each of the issue's goals from the table's figures, met or not."""
+    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
+    worlds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worlds)
+
+    def policy(em, limit, valid, hop2, single_searches, f1s):
+        types = {k: {"f1": f, "searches": single_searches if k == "single" else 2.0} for k, f in zip(worlds.TYPES, f1s)}
+        types["bridge"]["hop2_searched"] = hop2
+        return {"em": (em, [0, 1]), "turn_limit": limit, "format_valid": (valid, [0, 1]), "types": types}
+    stats = {("toy", 0): policy(0.28, 0.05, 0.95, 0.23, 1.2, (0.5, 0.1, 0.2)), ("toy", 8): policy(0.33, 0.0, 0.97, 0.30, 1.1, (0.5, 0.2, 0.3)),
+             ("seed2", 0): policy(0.25, 0.0, 0.99, 0.0, 1.0, (0.5, 0.0, 0.1)), ("seed2", 8): policy(0.30, 0.0, 0.96, 0.2, 1.0, (0.6, 0.1, 0.1)),
+             ("seed3", 0): policy(0.09, 0.78, 0.21, 0.52, 4.0, (0.2, 0.0, 0.0)), ("seed3", 8): policy(0.20, 0.40, 0.60, 0.60, 3.0, (0.3, 0.0, 0.1)),
+             ("pool", "diff"): (0.05, [0.01, 0.09])}
+    lines = worlds.goals(stats, 8)
+    assert "lower bound +0.010: **met**" in lines[0]
+    assert "spread 0.13): **not met**" in lines[1]  # 0.33, 0.30, 0.20
+    assert "0.78 → 0.40: **not met**" in lines[2]  # 0.40 > 0.39
+    assert lines[3].endswith("**met**") and "0.97, 0.96, 0.60: **not met**" in lines[4]
+    stats["seed2", 8]["types"]["single"]["searches"] = 1.5  # single-hop questions now search more in one world
+    assert worlds.goals(stats, 8)[3].endswith("**not met**")
