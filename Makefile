@@ -44,6 +44,8 @@ run: install  ## the main job: warm start + multi-context GRPO on the embedded d
 	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume
 	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval --limit $(EVAL_LIMIT) $(EVAL_ARGS)
 	$(PYTHON) bench/plot_curve.py $(RUN)/metrics.jsonl
+	$(PYTHON) bench/report.py $(RUN) -o $(RUN)/samples.html
+	@echo "The memory at work, turn by turn (open in a browser): $(RUN)/eval/report.html (test questions), $(RUN)/samples.html (GRPO groups)"
 
 test: install
 	$(PYTHON) -m pytest -q

@@ -25,6 +25,7 @@ into predictions.jsonl at the end; a rerun into the same folder skips finished q
 """
 import argparse
 import glob
+import importlib.util
 import itertools
 import json
 import os
@@ -414,6 +415,16 @@ def write_reports(output_dir: str, results: dict):
     print(text)
     plot_context_tokens([(label(res), res) for res in [results] + other_agent(output_dir, results)],
                         os.path.join(output_dir, "context_tokens_per_turn.png"))
+    html_report(output_dir)
+
+
+def html_report(output_dir: str):
+    """report.html: every question's trajectory, turn by turn, as one page (bench/report.py)."""
+    spec = importlib.util.spec_from_file_location("report", os.path.join(HERE, "bench", "report.py"))
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    path = report.main([output_dir, "-o", os.path.join(output_dir, "report.html")])
+    print(f"the trajectories, turn by turn (open in a browser): {path}")
 
 
 # ---------------------------------------------------------------------------------------------

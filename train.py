@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -115,7 +116,8 @@ HYPERPARAMETERS = [
      "log-prob pass and per update, not once per conversation (exact; docs/performance.md)"),
     ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (toy: peak 6.6 -> 5.0 GB, "
      "update +8%, docs/performance.md)"),
-    ("samples_per_step", 2, 4, "trajectories per step written to samples.jsonl"),
+    ("sample_groups", 1, 1, "groups per step written whole to samples.jsonl (each trajectory's reward, advantage, "
+     "oracle flag, and per conversation its tokens, loss mask and log-probs; bench/report.py renders them)"),
     ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
     ("timeout_minutes", 60, 60, "how long a rank waits for the others at a collective before the run fails (e.g. while "
      "rank 0 builds the index; the default of torch's NCCL watchdog is 10)"),
@@ -269,7 +271,7 @@ def main(argv=None, generate_fn=None):
         # --- rewards -> group advantages A_i -> one advantage per conversation, A_ij = A_i ----
         batch = Batch(mine, trajectories, experts)
         batch.rewards, batch.evidence = shaped_rewards(args, batch.group, mine)  # toy recipe: + evidence credit
-        advantages = grpo.group_advantages(batch.rewards, [t.qid for t in batch.group])
+        batch.advantages = advantages = grpo.group_advantages(batch.rewards, [t.qid for t in batch.group])
         batch.tied, batch.kept = skip_tied_groups(args, batch.group, advantages)  # toy recipe: tied groups not trained
         owner = [i for i in batch.kept for _ in batch.group[i].conversations]
         batch.conversations = [c for i in batch.kept for c in batch.group[i].conversations]
@@ -297,7 +299,7 @@ def main(argv=None, generate_fn=None):
         row = step_metrics(accelerator, step + 1, batch, sums, grad_norms, gap, timing)
         log(row)
         if accelerator.is_main_process:
-            write_samples(args.output_dir, step + 1, trajectories[:args.samples_per_step])
+            write_samples(args.output_dir, step + 1, batch, tokenizer, args.sample_groups)
             bar.set_postfix(reward=f"{row['reward']:.3f}", turns=f"{row['turns']:.2f}", kl=f"{row['kl']:.4f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.max_steps:
             save_checkpoint(accelerator, model, tokenizer, args, step + 1)
@@ -431,6 +433,7 @@ class Batch:
     experts: list[agent.Trajectory]  # the oracle's, joining their groups (toy recipe; else [])
     rewards: list[float] = field(default_factory=list)  # per trajectory of `group`: what the advantages are computed from
     evidence: list[float] = field(default_factory=list)  # per trajectory of `group`: share of supporting passages retrieved
+    advantages: torch.Tensor | None = None  # per trajectory of `group`: A_i, its group's normalised reward
     tied: set[str] = field(default_factory=set)  # question ids of the groups whose rewards are all equal (A = 0)
     kept: list[int] = field(default_factory=list)  # indices into `group` of the trajectories trained on
     conversations: list[agent.Conversation] = field(default_factory=list)  # the kept trajectories' conversations
@@ -632,13 +635,34 @@ def step_metrics(accelerator, step, batch, sums, grad_norms, gap, timing):
             "old_logprob_gap": top["old_logprob_gap"], **timing, "encoded_tokens": s["encoded_tokens"]}
 
 
-def write_samples(output_dir, step, trajectories):
-    """samples.jsonl: a few of the step's trajectories in full (question, answer, reward, every turn)."""
+def write_samples(output_dir, step, batch, tokenizer, groups):
+    """samples.jsonl: the step's first `groups` groups, every trajectory whole. Each line keeps the
+    keys it always had (step, question, golden_answers, prediction, reward, end_reason, turns) and
+    adds: group (the question id), member (its place in the group), oracle, trained (its group was
+    not skipped as tied), advantage, shaped_reward (what the advantage came from), evidence,
+    context_tokens, and per conversation its response tokens (each decoded alone), loss mask and
+    log-probs (pi_old's where computed, else those recorded while sampling; none for an oracle
+    trajectory that was not trained)."""
+    chosen = list(dict.fromkeys(t.qid for t in batch.group))[:groups]
+    members = Counter()
     with open(os.path.join(output_dir, "samples.jsonl"), "a") as f:
-        for t in trajectories:
+        for i, t in enumerate(batch.group):
+            if t.qid not in chosen:
+                continue
+            members[t.qid] += 1
+            conversations = [{"prompt_tokens": len(c.prompt_ids), "tokens": [tokenizer.decode([x]) for x in c.response_ids],
+                              "loss_mask": c.loss_mask, "logprobs": sample_logprobs(c, batch.sampled(t))} for c in t.conversations]
             f.write(json.dumps({"step": step, "question": t.question, "golden_answers": t.golden_answers,
-                                "prediction": t.prediction, "reward": t.reward, "end_reason": t.end_reason,
-                                "turns": t.turns}, ensure_ascii=False) + "\n")
+                                "prediction": t.prediction, "reward": t.reward, "end_reason": t.end_reason, "turns": t.turns,
+                                "group": t.qid, "member": members[t.qid] - 1, "oracle": not batch.sampled(t),
+                                "trained": i in batch.kept, "advantage": float(batch.advantages[i]),
+                                "shaped_reward": batch.rewards[i], "evidence": batch.evidence[i] if batch.evidence else None,
+                                "context_tokens": t.context_tokens, "conversations": conversations}, ensure_ascii=False) + "\n")
+
+
+def sample_logprobs(c, sampled):
+    logprobs = c.old_logprobs if c.old_logprobs is not None else c.logprobs if sampled else None
+    return None if logprobs is None else [round(float(x), 3) for x in logprobs]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -178,7 +178,8 @@ def test_tiny_model_run_writes_all_outputs(tiny_lm_dir, small_corpus, tiny_encod
     out = tmp_path / "run"
     results = evaluate.main(args_for(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, "--limit", 3, "--batch_size", 2))
     plot = ["context_tokens_per_turn.png"] if importlib.util.find_spec("matplotlib") else []
-    assert sorted(os.listdir(out)) == sorted(["predictions.jsonl", "results.json", "results.md"] + plot)
+    assert sorted(os.listdir(out)) == sorted(["predictions.jsonl", "results.json", "results.md", "report.html"] + plot)
+    assert open(out / "report.html").read().count('<article class="card') == 3  # bench/report.py: a card per question
     records = read_jsonl(out / "predictions.jsonl")
     assert len(records) == 3 and all(set(r) == RECORD_FIELDS for r in records)
     assert [r["dataset"] for r in records] == ["toy"] * 3 and [r["index"] for r in records] == sorted(r["index"] for r in records)

@@ -497,6 +497,19 @@ def test_oracle_trajectories_join_each_group(tiny_lm_dir, demo_world, tmp_path, 
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert row["reward"] == pytest.approx(0.1) and row["oracle_trajectories"] == 2 and row["oracle_reward"] == 1.0
     assert row["equal_reward_groups"] == 0 and row["skipped_trajectories"] == 0
+    # samples.jsonl (--sample_groups 1): the first group whole, the oracle marked, each with its advantage
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
+    assert [(s["member"], s["oracle"], s["trained"]) for s in samples] == [(0, False, True), (1, False, True), (2, True, True)]
+    assert len({s["group"] for s in samples}) == 1 and {"step", "question", "reward", "end_reason", "turns"} <= set(samples[0])
+    assert [s["advantage"] for s in samples] == pytest.approx([-0.57735, -0.57735, 1.1547], abs=1e-4)
+    assert [s["shaped_reward"] for s in samples] == pytest.approx([0.1, 0.1, 1.0])
+    for s in samples:
+        *searching, final = s["conversations"]
+        for c in s["conversations"]:
+            assert len(c["tokens"]) == len(c["loss_mask"]) == len(c["logprobs"]) and c["prompt_tokens"] > 0
+            assert all(lp <= 0 for lp in c["logprobs"]) and any(lp < 0 for lp in c["logprobs"])  # pi_old's, oracle included
+        assert all(0 < sum(c["loss_mask"]) < len(c["tokens"]) for c in searching)  # the tool response is masked
+        assert all(final["loss_mask"])  # the answer: sampled tokens only
 
 
 def test_oracle_only_where_unsolved(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
