@@ -423,7 +423,11 @@ def html_report(output_dir: str):
     spec = importlib.util.spec_from_file_location("report", os.path.join(HERE, "bench", "report.py"))
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    path = report.main([output_dir, "-o", os.path.join(output_dir, "report.html")])
+    try:
+        path = report.main([output_dir, "-o", os.path.join(output_dir, "report.html")])
+    except (Exception, SystemExit) as e:  # the results are saved already: say so, and go on
+        print(f"warning: no report.html ({e}); results.json is written. Retry: python bench/report.py {output_dir}")
+        return
     print(f"the trajectories, turn by turn (open in a browser): {path}")
 
 

@@ -393,3 +393,10 @@ def test_world_goals_read_by_hand():
     assert lines[3].endswith("**met**") and "0.97, 0.96, 0.60: **not met**" in lines[4]
     stats["seed2", 8]["types"]["single"]["searches"] = 1.5  # single-hop questions now search more in one world
     assert worlds.goals(stats, 8)[3].endswith("**not met**")
+
+
+def test_a_failing_report_leaves_the_results(tmp_path, capsys):
+    """evaluate.html_report: a report that cannot be written is a warning, not a lost evaluation."""
+    (tmp_path / "predictions.jsonl").write_text("not json\n{}\n")
+    evaluate.html_report(str(tmp_path))
+    assert "warning: no report.html" in capsys.readouterr().out and not os.path.exists(tmp_path / "report.html")
