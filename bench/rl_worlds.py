@@ -90,6 +90,15 @@ def policy(out: str, world: str, step: int) -> str:
     return os.path.join(out, world, "warm_start" if step == 0 else f"checkpoint-{step}")
 
 
+def coarse_to_fine(last: int) -> list[int]:
+    """The curve's even steps 0..last, halving the stride: 16 -> [0, 16, 8, 4, 12, 2, 6, 10, 14]."""
+    order, stride = [0] + [last] * (last > 0), last
+    while stride > 2:
+        stride //= 2
+        order += [s for s in range(stride, last, stride) if s not in order and s % 2 == 0]
+    return order + [s for s in range(0, last + 1, 2) if s not in order]
+
+
 def run(args):
     """Toy first (training, its validation curve, its test), then each other world (training, test):
     what is finished when a long run stops is whole."""
@@ -97,7 +106,7 @@ def run(args):
     for world in WORLDS:
         train(args.out, world, args.curve_steps if world == "toy" else args.steps, threads)
         if world == "toy":
-            for step in range(0, args.curve_steps + 1, 2):
+            for step in coarse_to_fine(args.curve_steps):  # a stop part-way still leaves a curve over all steps
                 evaluate_policy(policy(args.out, "toy", step), validation_file(args.out), os.path.join(ROOT, "data", "toy", "corpus.jsonl"),
                                 os.path.join(args.out, "eval", "toy", f"validation-{step}"), threads)
         data = world_data(args.out, world)

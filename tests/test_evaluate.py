@@ -393,6 +393,9 @@ def test_world_goals_read_by_hand():
     assert lines[3].endswith("**met**") and "0.97, 0.96, 0.60: **not met**" in lines[4]
     stats["seed2", 8]["types"]["single"]["searches"] = 1.5  # single-hop questions now search more in one world
     assert worlds.goals(stats, 8)[3].endswith("**not met**")
+    # the curve's checkpoints, evaluated coarse to fine: every even step once
+    assert worlds.coarse_to_fine(16) == [0, 16, 8, 4, 12, 2, 6, 10, 14] and worlds.coarse_to_fine(0) == [0]
+    assert sorted(worlds.coarse_to_fine(6)) == [0, 2, 4, 6]
 
 
 def test_a_failing_report_leaves_the_results(tmp_path, capsys):
