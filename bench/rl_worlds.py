@@ -123,11 +123,11 @@ def load_predictions(eval_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_world(data_file: str) -> tuple[dict, dict]:
-    """(rows by id, passage text by id) of a toy world's question file and the corpus beside it."""
+def load_world(data_file: str, corpus: str | None = None) -> tuple[dict, dict]:
+    """(rows by id, passage text by id) of a toy world's question file and its corpus (default: beside it)."""
     with open(data_file, encoding="utf-8") as f:
         rows = {str(r["id"]): r for r in map(json.loads, f)}
-    with open(os.path.join(os.path.dirname(data_file), "corpus.jsonl"), encoding="utf-8") as f:
+    with open(corpus or os.path.join(os.path.dirname(data_file), "corpus.jsonl"), encoding="utf-8") as f:
         passages = {str(r["id"]): r["contents"].split("\n", 1)[-1] for r in map(json.loads, f)}
     return rows, passages
 
@@ -178,6 +178,10 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
              "|" + " --- |" * 10]
     stats, pool = {}, {0: [], steps: []}
     for world in WORLDS:
+        folders = [os.path.join(out, "eval", world, f"test-{s}") for s in (0, steps)]
+        if not all(os.path.isfile(os.path.join(f, "results.json")) for f in folders):
+            lines.append(f"| {world} | not evaluated yet |" + " |" * 8)
+            continue
         data_file = os.path.join(world_data(out, world), "test.jsonl")
         rows, passages = load_world(data_file)
         predictions = {s: load_predictions(os.path.join(out, "eval", world, f"test-{s}")) for s in (0, steps)}
@@ -190,11 +194,14 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
                          f"{fmt(b['em'])} | {fmt(b['f1'])} | {diff} | {b['ends'].get('answer', 0)} / {b['ends'].get('max_turns', 0)} | "
                          + " / ".join(f"{t[k]['f1']:.2f}" for k in TYPES) + " | "
                          + " / ".join(f"{t[k]['searches']:.2f}" for k in TYPES) + f" | {t['bridge']['hop2_searched']:.0%} |")
+    if not pool[0]:
+        return lines, stats
     for s in (0, steps):
         f1 = [p["f1"] for p in pool[s]]
         stats["pool", s] = {"f1": (sum(f1) / len(f1), evaluate.bootstrap_interval(f1)), "n": len(f1)}
     stats["pool", "diff"] = paired(pool[0], pool[steps])
-    lines.append(f"| pool of {len(pool[0])} | warm start → GRPO | | | {fmt(stats['pool', 0]['f1'])} → "
+    worlds = sum((w, 0) in stats for w in WORLDS)
+    lines.append(f"| pool of {len(pool[0])} ({worlds} of {len(WORLDS)} worlds) | warm start → GRPO | | | {fmt(stats['pool', 0]['f1'])} → "
                  f"{fmt(stats['pool', steps]['f1'])} | {fmt(stats['pool', 'diff'], 3)} | | | | |")
     return lines, stats
 
@@ -218,7 +225,7 @@ def goals(stats: dict, steps: int) -> list[str]:
 
 
 def curve(out: str, curve_steps: int) -> tuple[list[str], list[tuple]]:
-    rows, passages = load_world(validation_file(out))
+    rows, passages = load_world(validation_file(out), os.path.join(ROOT, "data", "toy", "corpus.jsonl"))
     points, warm = [], None
     lines = ["| step | format-valid | F1 | paired F1 − warm start | searches | turn limit | F1 single / bridge / comparison |",
              "|" + " --- |" * 7]
@@ -241,18 +248,19 @@ def plot(stats: dict, steps: int, points: list[tuple], figures: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(figures, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    names = list(WORLDS) + ["pool"]
-    for k, (s, label, colour) in enumerate(((0, "warm start", "tab:gray"), (steps, f"GRPO {steps} steps", "tab:blue"))):
-        xs = [i + (k - 0.5) * 0.36 for i in range(len(names))]
-        values = [stats[w, s]["f1"] for w in names]
-        ax.bar(xs, [v for v, _ in values], width=0.34, color=colour, label=label,
-               yerr=[[v - lo for v, (lo, _) in values], [hi - v for v, (_, hi) in values]], capsize=3)
-    ax.set_xticks(range(len(names)), [f"{w}\n({stats[w, 0]['n']} q)" for w in names])
-    ax.set_ylabel("test F1 (95% interval)")
-    ax.legend(frameon=False)
-    fig.tight_layout()
-    fig.savefig(os.path.join(figures, "worlds_f1.png"), dpi=120)
+    names = [w for w in list(WORLDS) + ["pool"] if (w, 0) in stats]
+    if names:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for k, (s, label, colour) in enumerate(((0, "warm start", "tab:gray"), (steps, f"GRPO {steps} steps", "tab:blue"))):
+            xs = [i + (k - 0.5) * 0.36 for i in range(len(names))]
+            values = [stats[w, s]["f1"] for w in names]
+            ax.bar(xs, [v for v, _ in values], width=0.34, color=colour, label=label,
+                   yerr=[[v - lo for v, (lo, _) in values], [hi - v for v, (_, hi) in values]], capsize=3)
+        ax.set_xticks(range(len(names)), [f"{w}\n({stats[w, 0]['n']} q)" for w in names])
+        ax.set_ylabel("test F1 (95% interval)")
+        ax.legend(frameon=False)
+        fig.tight_layout()
+        fig.savefig(os.path.join(figures, "worlds_f1.png"), dpi=120)
     if points:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         s, f1, band = zip(*points)
@@ -271,7 +279,9 @@ def plot(stats: dict, steps: int, points: list[tuple], figures: str):
 def report(args):
     table, stats = world_table(args.out, args.steps)
     curve_lines, points = curve(args.out, args.curve_steps)
-    text = "\n".join(["## Test, each world's warm start and GRPO", "", *table, "", "## Goals", "", *goals(stats, args.steps),
+    complete = all((w, 0) in stats for w in WORLDS)
+    text = "\n".join(["## Test, each world's warm start and GRPO", "", *table, "", "## Goals", "",
+                      *(goals(stats, args.steps) if complete else ["(when every world is evaluated)"]),
                       "", "## Validation curve (toy)", "", *curve_lines, ""])
     print(text)
     with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as f:
