@@ -78,7 +78,7 @@ def train(out: str, world: str, steps: int, threads: int):
 
 
 def evaluate_policy(model: str, data: str, corpus: str, out_dir: str, processes: int):
-    """evaluate.py in `processes` single-threaded CPU processes (on 2 cores, 1.6x the questions an
+    """evaluate.py in `processes` single-threaded CPU processes (on 2 cores, 1.78x the questions an
     hour of one process with 2 threads); the same predictions, question for question."""
     if not os.path.isfile(os.path.join(out_dir, "results.json")):
         sh([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
