@@ -167,9 +167,11 @@ def paired(a: list[dict], b: list[dict]) -> tuple[float, list[float]]:
 # ---------------------------------------------------------------------------------------------
 # 3. The report: the table of worlds, goals, the curve, figures
 # ---------------------------------------------------------------------------------------------
-def fmt(value_interval, digits=2) -> str:
+def fmt(value_interval, digits=2, signed=False) -> str:
+    """(value, (lo, hi)) as `0.34 [0.26, 0.43]`; a difference signed: `+0.205 [+0.105, +0.300]`."""
     value, (lo, hi) = value_interval
-    return f"{value:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    spec = f"{'+' if signed else ''}.{digits}f"
+    return f"{value:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
 def world_table(out: str, steps: int) -> tuple[list[str], dict]:
@@ -189,7 +191,7 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
             pool[s] += predictions[s]
             b = stats[world, s] = behaviour(predictions[s], rows, passages)
             t = b["types"]
-            diff = fmt(paired(predictions[0], predictions[s]), 3) if s else "–"
+            diff = fmt(paired(predictions[0], predictions[s]), 3, signed=True) if s else "–"
             lines.append(f"| {world} | {'warm start' if s == 0 else f'GRPO {s} steps'} | {b['format_valid'][0]:.2f} | "
                          f"{fmt(b['em'])} | {fmt(b['f1'])} | {diff} | {b['ends'].get('answer', 0)} / {b['ends'].get('max_turns', 0)} | "
                          + " / ".join(f"{t[k]['f1']:.2f}" for k in TYPES) + " | "
@@ -202,7 +204,7 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
     stats["pool", "diff"] = paired(pool[0], pool[steps])
     worlds = sum((w, 0) in stats for w in WORLDS)
     lines.append(f"| pool of {len(pool[0])} ({worlds} of {len(WORLDS)} worlds) | warm start → GRPO | | | {fmt(stats['pool', 0]['f1'])} → "
-                 f"{fmt(stats['pool', steps]['f1'])} | {fmt(stats['pool', 'diff'], 3)} | | | | |")
+                 f"{fmt(stats['pool', steps]['f1'])} | {fmt(stats['pool', 'diff'], 3, signed=True)} | | | | |")
     return lines, stats
 
 
@@ -227,8 +229,8 @@ def goals(stats: dict, steps: int) -> list[str]:
 def curve(out: str, curve_steps: int) -> tuple[list[str], list[tuple]]:
     rows, passages = load_world(validation_file(out), os.path.join(ROOT, "data", "toy", "corpus.jsonl"))
     points, warm = [], None
-    lines = ["| step | format-valid | F1 | paired F1 − warm start | searches | turn limit | F1 single / bridge / comparison |",
-             "|" + " --- |" * 7]
+    lines = ["| step | format-valid | F1 | paired F1 − warm start | searches | turn limit | F1 single / bridge / comparison | "
+             "searches single / bridge / comparison | bridge: hop 2 searched |", "|" + " --- |" * 9]
     for s in range(0, curve_steps + 1, 2):
         folder = os.path.join(out, "eval", "toy", f"validation-{s}")
         if not os.path.isfile(os.path.join(folder, "results.json")):
@@ -237,13 +239,23 @@ def curve(out: str, curve_steps: int) -> tuple[list[str], list[tuple]]:
         warm = predictions if s == 0 else warm
         b = behaviour(predictions, rows, passages)
         points.append((s, *b["f1"]))
-        diff = fmt(paired(warm, predictions), 3) if s and warm else "–"
+        diff = fmt(paired(warm, predictions), 3, signed=True) if s and warm else "–"
         lines.append(f"| {s} | {b['format_valid'][0]:.2f} | {fmt(b['f1'])} | {diff} | {b['searches'][0]:.2f} | "
-                     f"{b['turn_limit']:.2f} | " + " / ".join(f"{b['types'][k]['f1']:.2f}" for k in TYPES) + " |")
+                     f"{b['turn_limit']:.2f} | " + " / ".join(f"{b['types'][k]['f1']:.2f}" for k in TYPES) + " | "
+                     + " / ".join(f"{b['types'][k]['searches']:.2f}" for k in TYPES) + f" | {b['types']['bridge']['hop2_searched']:.0%} |")
     return lines, points
 
 
-def plot(stats: dict, steps: int, points: list[tuple], figures: str):
+def training_rewards(metrics: str) -> list[tuple[int, float]]:
+    """(step, mean reward of the step's sampled trajectories) of a run's GRPO rows."""
+    if not os.path.isfile(metrics):
+        return []
+    with open(metrics, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r["step"], r["reward"]) for r in rows if r.get("phase") == "grpo"]
+
+
+def plot(out: str, stats: dict, steps: int, points: list[tuple], figures: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -262,7 +274,7 @@ def plot(stats: dict, steps: int, points: list[tuple], figures: str):
         fig.tight_layout()
         fig.savefig(os.path.join(figures, "worlds_f1.png"), dpi=120)
     if points:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        fig, (ax, right) = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [3, 2]})
         s, f1, band = zip(*points)
         ax.plot(s, f1, "o-", color="tab:blue", label="GRPO checkpoint")
         ax.fill_between(s, [lo for lo, _ in band], [hi for _, hi in band], color="tab:blue", alpha=0.2)
@@ -272,6 +284,14 @@ def plot(stats: dict, steps: int, points: list[tuple], figures: str):
         ax.set_xlabel("GRPO step")
         ax.set_ylabel("validation F1 (100 q, 95% interval)")
         ax.legend(frameon=False)
+        steps_rewards = training_rewards(os.path.join(out, "toy", "metrics.jsonl"))
+        if steps_rewards:
+            right.plot(*zip(*steps_rewards), ".-", color="tab:orange")
+        last = max([*s, *(step for step, _ in steps_rewards)])
+        for a in (ax, right):
+            a.set_xticks(range(0, last + 1, 2))
+        right.set_xlabel("GRPO step")
+        right.set_ylabel("training reward (16 trajectories)")
         fig.tight_layout()
         fig.savefig(os.path.join(figures, "learning_curve_validation.png"), dpi=120)
 
@@ -286,7 +306,7 @@ def report(args):
     print(text)
     with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    plot(stats, args.steps, points, args.figures)
+    plot(args.out, stats, args.steps, points, args.figures)
 
 
 def main(argv=None):

@@ -398,6 +398,18 @@ def test_world_goals_read_by_hand():
     assert sorted(worlds.coarse_to_fine(6)) == [0, 2, 4, 6]
 
 
+def test_world_training_rewards_read_only_grpo_rows(tmp_path):
+    """bench/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows."""
+    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
+    worlds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worlds)
+    rows = [{"phase": "warm_start", "step": 1, "loss": 1.6}, {"phase": "grpo", "step": 1, "reward": 0.25},
+            {"phase": "grpo", "step": 2, "reward": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert worlds.training_rewards(str(tmp_path / "metrics.jsonl")) == [(1, 0.25), (2, 0.5)]
+    assert worlds.training_rewards(str(tmp_path / "missing.jsonl")) == []
+
+
 def test_a_failing_report_leaves_the_results(tmp_path, capsys):
     """evaluate.html_report: a report that cannot be written is a warning, not a lost evaluation."""
     (tmp_path / "predictions.jsonl").write_text("not json\n{}\n")
