@@ -14,7 +14,7 @@ every saved toy checkpoint on validation (train rows 1900-1999, never demonstrat
 toy warm start and GRPO policy on all 200 of its test questions; then train seed 2 and evaluate it
 on its test questions, and the same for seed 3. Greedy, 5 turns x 128 tokens, float32 on a CPU.
 On a 2-core AMD EPYC (AVX2, no AMX: float32 throughout) a warm start takes 15 min, a GRPO step
-7-8 min, and evaluation 8.8 s a question: about 10 hours in all.
+4.6-8 min (the toy run's steps 9-16: 339 s on average), and evaluation 6-8 s a question (two processes): about 10 hours in all.
 """
 import argparse
 import json
