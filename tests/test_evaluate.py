@@ -344,12 +344,18 @@ def test_evidence_recall_by_hand():
 
 
 # --- what a policy did, by question type (bench/rl_worlds.py), by hand ---------------------------
+def rl_worlds():
+    """bench/rl_worlds.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_world_behaviour_by_type_by_hand():
     """F1 and searches per type, end reasons, and a bridge's second hop counted only once the first
     hop's answer reached the memory; a prediction of another world's question is refused."""
-    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
-    worlds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worlds)
+    worlds = rl_worlds()
     hop = lambda name, pid, answer: {"search": name, "passage_id": pid, "answer": answer}  # noqa: E731
     chain = [hop("Mabeland", "7", "Ithstad"), hop("Ithstad", "8", "38,206")]
     rows = {"s": {"metadata": {"type": "single", "chain": [hop("Osk", "9", "1911")]}},
@@ -374,9 +380,7 @@ def test_world_behaviour_by_type_by_hand():
 
 def test_world_goals_read_by_hand():
     """bench/rl_worlds.goals: each of the issue's goals from the table's figures, met or not."""
-    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
-    worlds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worlds)
+    worlds = rl_worlds()
 
     def policy(em, limit, valid, hop2, single_searches, f1s):
         types = {k: {"f1": f, "searches": single_searches if k == "single" else 2.0} for k, f in zip(worlds.TYPES, f1s)}
@@ -400,9 +404,7 @@ def test_world_goals_read_by_hand():
 
 def test_world_training_rewards_read_only_grpo_rows(tmp_path):
     """bench/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows."""
-    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
-    worlds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worlds)
+    worlds = rl_worlds()
     rows = [{"phase": "warm_start", "step": 1, "loss": 1.6}, {"phase": "grpo", "step": 1, "reward": 0.25},
             {"phase": "grpo", "step": 2, "reward": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
