@@ -28,6 +28,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 import evaluate  # noqa: E402
 from chain_funnel import funnel  # noqa: E402
+from plot_curve import read_rows  # noqa: E402
 
 WORLDS = {"toy": 0, "seed2": 2, "seed3": 3}  # name -> data/make_toy.py seed
 TYPES = ("single", "bridge", "comparison")
@@ -250,8 +251,7 @@ def training_rewards(metrics: str) -> list[tuple[int, float]]:
     """(step, mean reward of the step's sampled trajectories) of a run's GRPO rows."""
     if not os.path.isfile(metrics):
         return []
-    with open(metrics, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows, _ = read_rows(metrics)  # a line being written is skipped
     return [(r["step"], r["reward"]) for r in rows if r.get("phase") == "grpo"]
 
 

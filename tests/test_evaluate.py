@@ -403,11 +403,12 @@ def test_world_goals_read_by_hand():
 
 
 def test_world_training_rewards_read_only_grpo_rows(tmp_path):
-    """bench/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows."""
+    """bench/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows;
+    a last line still being written is skipped."""
     worlds = rl_worlds()
     rows = [{"phase": "warm_start", "step": 1, "loss": 1.6}, {"phase": "grpo", "step": 1, "reward": 0.25},
             {"phase": "grpo", "step": 2, "reward": 0.5}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"phase": "grpo", "st')  # being written
     assert worlds.training_rewards(str(tmp_path / "metrics.jsonl")) == [(1, 0.25), (2, 0.5)]
     assert worlds.training_rewards(str(tmp_path / "missing.jsonl")) == []
 
