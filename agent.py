@@ -557,8 +557,7 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
     """
     if agent not in ("memsearcher", "react"):
         raise ValueError(f"agent must be 'memsearcher' or 'react', not {agent!r}")
-    trajectories = [Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
-                    for q in questions for _ in range(group_size)]
+    trajectories = [start_trajectory(q, agent, max_turns) for q in questions for _ in range(group_size)]
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
     generate_fn = generate_fn or CachedGenerate()  # the speedup of `generate` (section 9)
     gen = lambda prompts: generate_fn(model, tokenizer, prompts, **sampling)  # noqa: E731
@@ -569,8 +568,8 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
         for t in trajectories:
             t.conversations.append(Conversation(encode(tokenizer, react_prompt(t.question, system_prompt or REACT_SYSTEM_PROMPT))))
 
-    for turn in range(max_turns):
-        active = [t for t in trajectories if not t.done]
+    for _ in range(max_turns):
+        active = [t for t in trajectories if not t.done and t.num_turns < max_turns]
         if not active:
             break
         if agent == "memsearcher":  # each turn a fresh context holding only (question, memory)
@@ -578,7 +577,7 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
                 prompt = memsearcher_prompt(t.question, t.memory, system_prompt or SYSTEM_PROMPT)
                 t.conversations.append(Conversation(encode(tokenizer, prompt)))
         # Phase 1: reason, then answer or call the search tool.
-        searching = reason_and_act(active, gen, decode, turn, illegal, evaluation, default_top_n)
+        searching = reason_and_act(active, gen, decode, illegal, evaluation, default_top_n)
         updating = run_searches(searching, search, tokenizer, instruction, max_response_tokens)
         # Phase 2 (MemSearcher): read the results and rewrite the memory.
         if agent == "memsearcher" and updating:
@@ -591,7 +590,35 @@ def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "me
     return trajectories
 
 
-def reason_and_act(active, gen, decode, turn, illegal, evaluation, default_top_n):
+def start_trajectory(q: dict, agent: str, max_turns: int) -> Trajectory:
+    """A fresh trajectory for question row q, or, if q has a "state" (state_after's), one that
+    continues from it: its memory, and the earlier turns' log and counts (not their conversations,
+    which belong to the trajectory the state was taken from)."""
+    t = Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
+    state = q.get("state")
+    if state:
+        if agent != "memsearcher" or not 0 < len(state["turns"]) < max_turns:
+            raise ValueError(f"question {t.qid}: a start state needs agent='memsearcher' and 0 < its turns "
+                             f"({len(state['turns'])}) < max_turns ({max_turns})")
+        t.memory, t.num_searches = state["memory"], state["num_searches"]
+        t.turns, t.context_tokens = copy.deepcopy(state["turns"]), list(state["context_tokens"])
+        t.num_turns = len(t.turns)
+    return t
+
+
+def state_after(t: Trajectory, turn: int) -> dict:
+    """MemSearcher's state after t's first `turn` turns: the memory it wrote then (its context
+    next turn is just the question and this memory), with the log and counts of those turns.
+    Put in a question row as "state", rollout samples continuations from exactly this state.
+    t must have gone on past that turn (t.num_turns > turn), so that memory was valid."""
+    if not 0 < turn < t.num_turns:
+        raise ValueError(f"trajectory {t.qid} has {t.num_turns} turns: it has no state after turn {turn} to continue from")
+    turns = t.turns[:turn]
+    return {"memory": turns[-1]["memory"] or "", "turns": copy.deepcopy(turns),
+            "num_searches": sum(len(x.get("queries", ())) for x in turns), "context_tokens": t.context_tokens[:turn]}
+
+
+def reason_and_act(active, gen, decode, illegal, evaluation, default_top_n):
     """Phase 1: one generation per active trajectory, from its last conversation. It ends the
     trajectory (an answer, no tool call, an illegal stop, the token limit) or calls the tool;
     returns [(trajectory, conversation, calls)] of those that search."""
@@ -599,7 +626,7 @@ def reason_and_act(active, gen, decode, turn, illegal, evaluation, default_top_n
     outputs = gen([c.prompt_ids + c.response_ids for c in conversations])
     searching = []
     for t, c, out in zip(active, conversations, outputs):
-        log = {"turn": turn + 1, "context": decode(c.prompt_ids + c.response_ids), "generation": decode(out.ids)}
+        log = {"turn": t.num_turns + 1, "context": decode(c.prompt_ids + c.response_ids), "generation": decode(out.ids)}
         t.turns.append(log)
         t.num_turns += 1
         c.append(out.ids, trained=True, logprobs=out.logprobs)

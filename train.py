@@ -76,6 +76,8 @@ HYPERPARAMETERS = [
     ("oracle_when_unsolved", True, False, "add the oracle only to groups where no sampled trajectory earned reward 1"),
     ("evidence_weight", 0.3, 0.0, "lambda: reward = (1 - lambda) released reward + lambda share of the question's supporting "
      "passages retrieved (David-GRPO's evidence credit), for rows with supporting ids; paper: 0"),
+    ("reroll_turn", 0, 0, "K > 0: G more continuations per question from one sampled trajectory's memory after turn K, a group "
+     "of their own (qid@K) whose advantages compare members that faced the same state (Memory-R2, Tree-GRPO); 0: off"),
     ("skip_equal_groups", True, False, "groups whose rewards are all equal (advantage 0) skip the log-prob passes and the update "
      "(DAPO, MemAgent); the token-mean is then over the kept tokens"),
     ("mixed_precision", "auto", "auto", "no, bf16, or auto: the launcher's bf16/fp16 if set, else bf16 autocast on a GPU that "
@@ -199,6 +201,9 @@ def check_config(args, world_size, distributed_type=None):
             problems.append(str(e))
     if args.lora_rank < 0:
         problems.append(f"{described(args, 'lora_rank')} must be >= 0")
+    if args.reroll_turn and (args.agent != "memsearcher" or not 0 < args.reroll_turn < args.max_turns):
+        problems.append(f"{described(args, 'reroll_turn')} needs --agent memsearcher and 0 < K < {described(args, 'max_turns')} "
+                        "(a state after turn K that the trajectory went on from)")
     if args.rollout_batch_size < 0:
         problems.append(f"{described(args, 'rollout_batch_size')} must be >= 0 (0: all rows at once)")
     if not os.path.isfile(args.train_data):
@@ -263,14 +268,16 @@ def main(argv=None, generate_fn=None):
                 policy, tokenizer, mine, search, args.rollout_batch_size, args.seed * 100003 + step * world + rank,
                 group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn, **rollout_kwargs)
+            rows, rerolls = rerollouts(args, policy, tokenizer, mine, trajectories, search,  # --reroll_turn K (off: [])
+                                       args.seed * 100003 + step * world + rank + 500009, generate_fn, rollout_kwargs)
         release_freed_memory()
         experts = oracle_trajectories(args, mine, trajectories, search, tokenizer, args.seed * 100003 + step * world + rank,
                                       rollout_kwargs)  # toy recipe: the oracle joins unsolved groups (none in the paper preset)
         t_rollout = time.time() - t0
 
         # --- rewards -> group advantages A_i -> one advantage per conversation, A_ij = A_i ----
-        batch = Batch(mine, trajectories, experts)
-        batch.rewards, batch.evidence = shaped_rewards(args, batch.group, mine)  # toy recipe: + evidence credit
+        batch = Batch(mine, trajectories, experts, rerolls)
+        batch.rewards, batch.evidence = shaped_rewards(args, batch.group, mine + rows)  # toy recipe: + evidence credit
         batch.advantages = advantages = grpo.group_advantages(batch.rewards, [t.qid for t in batch.group])
         batch.tied, batch.kept = skip_tied_groups(args, batch.group, advantages)  # toy recipe: tied groups not trained
         owner = [i for i in batch.kept for _ in batch.group[i].conversations]
@@ -407,6 +414,28 @@ def rollout_in_chunks(policy, tokenizer, questions, search, rollout_batch_size, 
     return trajectories
 
 
+def rerollouts(args, policy, tokenizer, questions, trajectories, search, seed, generate_fn, rollout_kwargs):
+    """--reroll_turn K: local re-rolls from a shared memory state (Memory-R2; Tree-GRPO shares
+    prefixes the same way). A MemSearcher state is (question, memory), so for each question the
+    first of its G trajectories that went on past turn K gives its memory after turn K, and G more
+    trajectories continue from exactly that state: a group of its own, keyed qid@K. Its members
+    faced the same context, so their advantages credit the decision taken there (search again or
+    answer) rather than everything a whole trajectory did. Each keeps the earlier turns' log (the
+    evidence credit sees their documents), and trains only its own conversations.
+    Returns (question rows of the re-rolled groups, their trajectories); ([], []) when K = 0."""
+    if not args.reroll_turn:
+        return [], []
+    rows = []
+    for q in questions:
+        parent = next((t for t in trajectories if t.qid == str(q["id"]) and t.num_turns > args.reroll_turn), None)
+        if parent is not None:
+            rows.append({**q, "id": f"{q['id']}@{args.reroll_turn}", "state": agent.state_after(parent, args.reroll_turn)})
+    rerolls = rollout_in_chunks(policy, tokenizer, rows, search, args.rollout_batch_size, seed, group_size=args.group_size,
+                                max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn, **rollout_kwargs) if rows else []
+    return rows, rerolls
+
+
 def rollout_settings(args):
     """The agent's settings shared by GRPO's rollouts and the oracle's (prompts from files or ours)."""
     default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
@@ -431,6 +460,7 @@ class Batch:
     questions: list[dict]  # this rank's share of the step's questions
     trajectories: list[agent.Trajectory]  # G sampled per question
     experts: list[agent.Trajectory]  # the oracle's, joining their groups (toy recipe; else [])
+    rerolls: list[agent.Trajectory] = field(default_factory=list)  # --reroll_turn: groups of their own (qid@K), after the others
     rewards: list[float] = field(default_factory=list)  # per trajectory of `group`: what the advantages are computed from
     evidence: list[float] = field(default_factory=list)  # per trajectory of `group`: share of supporting passages retrieved
     advantages: torch.Tensor | None = None  # per trajectory of `group`: A_i, its group's normalised reward
@@ -440,7 +470,8 @@ class Batch:
 
     def __post_init__(self):
         position = {str(q["id"]): k for k, q in enumerate(self.questions)}
-        self.group = sorted(self.trajectories + self.experts, key=lambda t: position[t.qid])  # a group's samples, then its oracle
+        self.group = sorted(self.trajectories + self.experts, key=lambda t: position[t.qid]) + self.rerolls  # samples, oracle
+        self.broadcast = len(self.group) - len(self.rerolls)  # group[:broadcast]: the question's own groups (the metrics')
         self._oracle = {id(t) for t in self.experts}
 
     def sampled(self, trajectory) -> bool:
@@ -609,12 +640,14 @@ def reduce_by_name(accelerator, values: dict, op: str = "sum") -> dict:
 
 def step_metrics(accelerator, step, batch, sums, grad_norms, gap, timing):
     """The step's metrics.jsonl row: sums over all ranks, by name, then the means."""
-    sampled = [k for k, t in enumerate(batch.group) if batch.sampled(t)]
-    ts = batch.trajectories
+    sampled = [k for k, t in enumerate(batch.group[:batch.broadcast]) if batch.sampled(t)]
+    ts, base = batch.trajectories, {str(q["id"]) for q in batch.questions}
     ctx = [n for t in ts for n in t.context_tokens] or [0]
     s = reduce_by_name(accelerator, dict(
-        groups=len(batch.questions), tied_groups=len(batch.tied), skipped_trajectories=len(batch.group) - len(batch.kept),
+        groups=len(batch.questions), tied_groups=len(batch.tied & base), skipped_trajectories=len(batch.group) - len(batch.kept),
         oracle_trajectories=len(batch.experts), oracle_reward=sum(t.reward for t in batch.experts),
+        reroll_trajectories=len(batch.rerolls), reroll_reward=sum(t.reward for t in batch.rerolls),
+        reroll_groups=len({t.qid for t in batch.rerolls}), reroll_tied_groups=len(batch.tied - base),
         evidence=sum(batch.evidence[k] for k in sampled), reward_trained=sum(batch.rewards[k] for k in sampled),
         n=len(ts), reward=sum(t.reward for t in ts), em=sum(agent.exact_match(t.prediction, t.golden_answers) for t in ts),
         f1=sum(agent.f1_score(t.prediction, t.golden_answers) for t in ts), format_valid=sum(t.reward > 0 for t in ts),
@@ -631,6 +664,8 @@ def step_metrics(accelerator, step, batch, sums, grad_norms, gap, timing):
             "updates": len(grad_norms), "skipped_updates": sum(not math.isfinite(g) for g in grad_norms),
             "evidence": s["evidence"] / n, "reward_trained": s["reward_trained"] / n,
             "oracle_trajectories": s["oracle_trajectories"], "oracle_reward": s["oracle_reward"] / max(s["oracle_trajectories"], 1),
+            "reroll_trajectories": s["reroll_trajectories"], "reroll_reward": s["reroll_reward"] / max(s["reroll_trajectories"], 1),
+            "reroll_groups": s["reroll_groups"], "reroll_tied_groups": s["reroll_tied_groups"],
             "equal_reward_groups": s["tied_groups"] / s["groups"], "skipped_trajectories": s["skipped_trajectories"],
             "old_logprob_gap": top["old_logprob_gap"], **timing, "encoded_tokens": s["encoded_tokens"]}
 
@@ -638,12 +673,13 @@ def step_metrics(accelerator, step, batch, sums, grad_norms, gap, timing):
 def write_samples(output_dir, step, batch, tokenizer, groups):
     """samples.jsonl: the step's first `groups` groups, every trajectory whole. Each line keeps the
     keys it always had (step, question, golden_answers, prediction, reward, end_reason, turns) and
-    adds: group (the question id), member (its place in the group), oracle, trained (its group was
+    adds: group (the question id; qid@K for a re-rolled group), member (its place in the group), oracle, trained (its group was
     not skipped as tied), advantage, shaped_reward (what the advantage came from), evidence,
     context_tokens, and per conversation its response tokens (each decoded alone), loss mask and
     log-probs (pi_old's where computed, else those recorded while sampling; none for an oracle
     trajectory that was not trained)."""
-    chosen = list(dict.fromkeys(t.qid for t in batch.group))[:groups]
+    chosen = list(dict.fromkeys(t.qid for t in batch.group[:batch.broadcast]))[:groups]
+    chosen += [t.qid for t in batch.rerolls if t.qid.rsplit("@", 1)[0] in chosen]  # and their re-rolled groups
     members = Counter()
     with open(os.path.join(output_dir, "samples.jsonl"), "a") as f:
         for i, t in enumerate(batch.group):

@@ -1,6 +1,7 @@
 """agent.py: prompt, parsing, reward, batched rollouts of MemSearcher and ReAct, log-prob parity."""
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -265,6 +266,45 @@ def test_memsearcher_context_stays_flat_while_react_grows(tokenizer):
     assert r.context_tokens[-1] > 2 * m.context_tokens[-1]
     c = r.conversations[0]  # ReAct: all generations trained, all tool turns masked, in one conversation
     assert sum(c.loss_mask) == 8 * len(agent.encode(tokenizer, "Not yet.\n</think>\n" + CALL + "<|im_end|>"))
+
+
+def search_twice_then_answer(prompt):
+    """Its memory counts its searches; with two done it answers."""
+    done = int((re.findall(r"searched (\d+)", prompt) or ["0"])[-1])  # from the memory in the prompt
+    if prompt.endswith("<think>"):
+        return " Enough.</think>\n\\boxed{Osk}" if done == 2 else " Again.</think>\n" + CALL
+    return f"<memory>Velmora Quint: searched {done + 1}</memory>"
+
+
+def test_a_rollout_continues_exactly_from_a_state_after_turn_k(tokenizer):
+    """A MemSearcher state is (question, memory): G continuations from a trajectory's state after
+    turn 1 redo, under the same deterministic policy, exactly its turns 2 and 3 (prompts, tokens,
+    masks, searches, reward), and keep turn 1's log without its conversation."""
+    (parent,), _ = run(tokenizer, search_twice_then_answer, max_turns=4)
+    assert (parent.num_turns, parent.num_searches, parent.prediction) == (3, 2, "Osk")
+    state = agent.state_after(parent, 1)
+    assert state["memory"] == "Velmora Quint: searched 1" and state["num_searches"] == 1
+    continued, search = run(tokenizer, search_twice_then_answer, questions=[{**Q, "id": "q1@1", "state": state}],
+                            group_size=2, max_turns=4)
+    assert search.calls == [(["Velmora Quint", "Velmora Quint"], [5, 5])]  # the second search only, once each
+    for t in continued:
+        assert t.qid == "q1@1" and len(t.conversations) == 2
+        for x, y in zip(t.conversations, parent.conversations[1:]):
+            assert (x.prompt_ids, x.response_ids, x.loss_mask, x.logprobs) == (y.prompt_ids, y.response_ids, y.loss_mask, y.logprobs)
+        assert (t.num_turns, t.num_searches, t.prediction, t.reward, t.end_reason) == (3, 2, "Osk", 1.0, "answer")
+        assert t.turns == parent.turns and t.context_tokens == parent.context_tokens
+    assert state["turns"] == parent.turns[:1]  # the continuations copied it, not shared it
+    # turn 2 is the last that may be continued from here (max_turns 3 leaves no turn after 3)
+    (short,), _ = run(tokenizer, search_twice_then_answer, questions=[{**Q, "state": agent.state_after(parent, 2)}],
+                      max_turns=3)
+    assert (short.num_turns, short.prediction, len(short.conversations)) == (3, "Osk", 1)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="no state after turn"):
+            agent.state_after(parent, bad)
+    with pytest.raises(ValueError, match="start state needs"):
+        run(tokenizer, search_twice_then_answer, questions=[{**Q, "state": state}], agent="react")
+    with pytest.raises(ValueError, match="start state needs"):
+        run(tokenizer, search_twice_then_answer, questions=[{**Q, "state": agent.state_after(parent, 2)}], max_turns=2)
 
 
 def test_react_context_overflow(tokenizer):

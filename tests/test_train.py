@@ -132,7 +132,9 @@ def test_config_errors_fail_fast(tmp_path):
                          (["--train_data", str(tmp_path / "none.jsonl")], "train_data not found"),
                          (["--warm_start_mix", "1:2"], "warm_start_mix 1:2 .flag.: give three shares"),
                          (["--warm_start_mix", "a:b:c"], "single:bridge:comparison"),
-                         (["--warm_start_mix", "0:0:0"], "not all 0")]:
+                         (["--warm_start_mix", "0:0:0"], "not all 0"),
+                         (["--reroll_turn", "3"], "reroll_turn 3 .flag. needs --agent memsearcher and 0 < K < --max_turns 3"),
+                         (["--reroll_turn", "1", "--agent", "react"], "reroll_turn 1 .flag. needs")]:
         with pytest.raises(SystemExit, match=message):
             train.check_config(train.parse_args(bad), world_size=1)
     with pytest.raises(SystemExit, match="divisible by the 3 processes"):
@@ -557,6 +559,48 @@ def test_evidence_credit_in_the_reward(tiny_lm_dir, demo_world, tmp_path, monkey
         assert row["evidence"] == pytest.approx(sum(shares) / len(shares))
         assert row["reward"] == pytest.approx(sum(t.reward for t in trajectories) / len(trajectories))
     assert any(s > 0 for s in shares)  # searching the question's words finds some of its passages
+
+
+def test_rerolled_groups_start_from_one_members_memory(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
+    """--reroll_turn 1: per question, G more trajectories continue from its first member's memory
+    after turn 1, as a group of their own (qid@1) with advantages normalised within it. They train
+    only their own conversations, keep turn 1's documents for the evidence credit, and the step's
+    metrics stay over the questions' own groups."""
+    import scripted_policy
+    monkeypatch.setattr(scripted_policy, "RANK", 1)  # searches twice (turns 1 and 2), answers yes/no at random in turn 3
+    sampled = []
+    rollout = train.agent.rollout
+    monkeypatch.setattr(train.agent, "rollout", lambda *a, **k: sampled.append(rollout(*a, **k)) or sampled[-1])
+    calls = recording_advantages(monkeypatch)
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_steps=0, max_steps=1, batch_size=2, group_size=3,
+                         mini_batch_size=2, max_turns=3, reroll_turn=1, evidence_weight=0.5),
+               generate_fn=scripted_policy.scripted_generate)
+    own, rerolled = sampled
+    qids = list(dict.fromkeys(t.qid for t in own))
+    assert [t.qid for t in rerolled] == [f"{q}@1" for q in qids for _ in range(3)]
+    for t in rerolled:
+        parent = next(p for p in own if p.qid == t.qid[:-2])  # the group's first member
+        assert t.conversations[0].prompt_ids == parent.conversations[1].prompt_ids  # the same state: (question, memory)
+        assert len(t.conversations) == 2 and t.turns[0] == parent.turns[0] and (t.num_turns, t.num_searches) == (3, 2)
+    (rewards, ids, advantages), = calls
+    assert ids == [t.qid for t in own] + [t.qid for t in rerolled]
+    rows = {str(r["id"]): r for r in map(json.loads, open(demo_world / "train.jsonl"))}
+    for k, t in enumerate(rerolled, start=len(own)):  # evidence over all its turns, turn 1's documents included
+        wanted = set(rows[t.qid[:-2]]["metadata"]["supporting_ids"])
+        seen = {i for turn in t.turns for x in turn.get("document_ids", []) for i in x}
+        assert rewards[k] == pytest.approx(0.5 * t.reward + 0.5 * len(wanted & seen) / len(wanted))
+    for q in qids:
+        members = [k for k, i in enumerate(ids) if i == f"{q}@1"]
+        r = torch.tensor([rewards[k] for k in members], dtype=torch.float64)
+        expected = (r - r.mean()) / (r.std() + 1e-6)
+        assert advantages[members].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["reward"] == pytest.approx(sum(t.reward for t in own) / 6)
+    assert (row["reroll_trajectories"], row["reroll_groups"]) == (6, 2)
+    assert row["reroll_reward"] == pytest.approx(sum(t.reward for t in rerolled) / 6)
+    assert row["conversations_per_trajectory"] == pytest.approx((6 * 3 + 6 * 2) / 6)  # all trained, over own trajectories
+    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]  # --sample_groups 1: a group and its re-roll
+    assert [(s["group"], s["member"]) for s in samples] == [(qids[0], k) for k in range(3)] + [(qids[0] + "@1", k) for k in range(3)]
 
 
 def equal_and_mixed(question, calls=[0]):  # noqa: B006 -- a call counter
