@@ -8,6 +8,8 @@ seeds do not depend on the run's length, and the learning rate is constant).
 
     python bench/rl_worlds.py run    --out runs/worlds   # resumable: run it again after a stop
     python bench/rl_worlds.py report --out runs/worlds   # tables (report.md) and figures
+    python bench/rl_worlds.py try --out runs/worlds --name reroll1 --flags "--reroll_turn 1"
+                                   # one try of an optional change: toy, same warm start, validation
 
 `run` does, in order, each part skipped once done: train toy; evaluate the toy warm start and
 every saved toy checkpoint on validation (train rows 1900-1999, never demonstrated); evaluate the
@@ -19,6 +21,8 @@ On a 2-core AMD EPYC (AVX2, no AMX: float32 throughout) a warm start takes 15 mi
 import argparse
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -67,15 +71,16 @@ def sh(cmd: list[str]):
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def train(out: str, world: str, steps: int, threads: int):
-    run_dir = os.path.join(out, world)
+def train(out: str, world: str, steps: int, threads: int, run: str | None = None, extra: tuple[str, ...] = ()):
+    """GRPO on the world with the toy preset (and `extra` train.py flags) into out/<run> (default: the world's name)."""
+    run_dir = os.path.join(out, run or world)
     if os.path.isfile(os.path.join(run_dir, f"checkpoint-{steps}", "config.json")):
         return
     data = world_data(out, world)
     sh([sys.executable, "-m", "accelerate.commands.launch", "--num_cpu_threads_per_process", str(threads),
         os.path.join(ROOT, "train.py"), "--output_dir", run_dir, "--max_steps", str(steps), "--resume",
         "--train_data", os.path.join(data, "train.jsonl"), "--corpus", os.path.join(data, "corpus.jsonl"),
-        "--keep_checkpoints", str(steps)])  # keep every checkpoint (the curve's)
+        "--keep_checkpoints", str(steps), *extra])  # keep every checkpoint (the curve's)
 
 
 def evaluate_policy(model: str, data: str, corpus: str, out_dir: str, processes: int):
@@ -114,6 +119,22 @@ def run(args):
         for step in (0, args.steps):
             evaluate_policy(policy(args.out, world, step), os.path.join(data, "test.jsonl"), os.path.join(data, "corpus.jsonl"),
                             os.path.join(args.out, "eval", world, f"test-{step}"), threads)
+
+
+def try_change(args):
+    """One try of an optional change: toy GRPO with extra train.py flags (--flags), from a copy of
+    the toy run's warm start, its policy at --steps evaluated on validation. `report` sets it,
+    paired, beside the plain run's policy at the same step. Resumable like `run`."""
+    name = f"try-{args.name}"
+    warm = os.path.join(args.out, name, "warm_start")
+    if not os.path.isdir(warm):
+        shutil.copytree(policy(args.out, "toy", 0), warm)
+    with open(os.path.join(args.out, name, "flags.txt"), "w", encoding="utf-8") as f:
+        f.write(args.flags + "\n")
+    threads = args.threads or os.cpu_count() or 1
+    train(args.out, "toy", args.steps, threads, run=name, extra=tuple(shlex.split(args.flags)))
+    evaluate_policy(os.path.join(args.out, name, f"checkpoint-{args.steps}"), validation_file(args.out),
+                    os.path.join(ROOT, "data", "toy", "corpus.jsonl"), os.path.join(args.out, "eval", "toy", f"{name}-{args.steps}"), threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +268,31 @@ def curve(out: str, curve_steps: int) -> tuple[list[str], list[tuple]]:
     return lines, points
 
 
+def tries(out: str, steps: int) -> list[str]:
+    """Each try's validation row (as the curve's), paired against the plain run at the same step."""
+    rows, passages = load_world(validation_file(out), os.path.join(ROOT, "data", "toy", "corpus.jsonl"))
+    plain = os.path.join(out, "eval", "toy", f"validation-{steps}")
+    lines = ["| try (train.py flags) | format-valid | F1 | paired F1 − plain GRPO | searches single / bridge / comparison | "
+             "F1 single / bridge / comparison | bridge: hop 2 searched | training reward, steps 1–N |", "|" + " --- |" * 8]
+    found = sorted(d for d in os.listdir(out) if d.startswith("try-")) if os.path.isdir(out) else []
+    for name in found:
+        folder = os.path.join(out, "eval", "toy", f"{name}-{steps}")
+        if not os.path.isfile(os.path.join(folder, "results.json")) or not os.path.isfile(os.path.join(plain, "results.json")):
+            lines.append(f"| {name} | not evaluated yet |" + " |" * 6)
+            continue
+        with open(os.path.join(out, name, "flags.txt"), encoding="utf-8") as f:
+            flags = f.read().strip()
+        predictions = load_predictions(folder)
+        b = behaviour(predictions, rows, passages)
+        t = b["types"]
+        rewards = [r for _, r in training_rewards(os.path.join(out, name, "metrics.jsonl"))]
+        lines.append(f"| {name} (`{flags}`) | {b['format_valid'][0]:.2f} | {fmt(b['f1'])} | "
+                     f"{fmt(paired(load_predictions(plain), predictions), 3, signed=True)} | "
+                     + " / ".join(f"{t[k]['searches']:.2f}" for k in TYPES) + " | " + " / ".join(f"{t[k]['f1']:.2f}" for k in TYPES)
+                     + f" | {t['bridge']['hop2_searched']:.0%} | " + ", ".join(f"{r:.2f}" for r in rewards) + " |")
+    return lines if found else []
+
+
 def training_rewards(metrics: str) -> list[tuple[int, float]]:
     """(step, mean reward of the step's sampled trajectories) of a run's GRPO rows."""
     if not os.path.isfile(metrics):
@@ -300,9 +346,11 @@ def report(args):
     table, stats = world_table(args.out, args.steps)
     curve_lines, points = curve(args.out, args.curve_steps)
     complete = all((w, 0) in stats for w in WORLDS)
+    try_lines = tries(args.out, args.steps)
     text = "\n".join(["## Test, each world's warm start and GRPO", "", *table, "", "## Goals", "",
                       *(goals(stats, args.steps) if complete else ["(when every world is evaluated)"]),
-                      "", "## Validation curve (toy)", "", *curve_lines, ""])
+                      "", "## Validation curve (toy)", "", *curve_lines, ""]
+                     + (["## Tries of an optional change (validation, at the table's step)", "", *try_lines, ""] if try_lines else []))
     print(text)
     with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
@@ -311,14 +359,18 @@ def report(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["run", "report"])
+    ap.add_argument("what", choices=["run", "report", "try"])
     ap.add_argument("--out", default=os.path.join("runs", "worlds"), help="runs, evaluations and the new worlds' data")
     ap.add_argument("--steps", type=int, default=8, help="GRPO steps of the table's policies")
     ap.add_argument("--curve_steps", type=int, default=16, help="GRPO steps of the toy run (a checkpoint every 2)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for training, and evaluation processes (0: all cores)")
     ap.add_argument("--figures", default=os.path.join(HERE, "figures"))
+    ap.add_argument("--name", help="try: its name (out/try-NAME)")
+    ap.add_argument("--flags", default="", help="try: the train.py flags it adds, e.g. '--reroll_turn 1'")
     args = ap.parse_args(argv)
-    run(args) if args.what == "run" else report(args)
+    if args.what == "try" and not (args.name and args.flags):
+        ap.error("try needs --name and --flags")
+    {"run": run, "report": report, "try": try_change}[args.what](args)
 
 
 if __name__ == "__main__":
