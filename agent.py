@@ -5,6 +5,7 @@
 1. the policy model     2. the prompt (system, user, tool response)     3. parsing model output
 4. reward and metrics   5. what a rollout returns (Conversation, Trajectory)
 6. batched generation with recorded log-probs     7. rollouts: MemSearcher and the ReAct baseline
+   (MemSearcher's also from a saved state, question and memory: state_after)
 8. printing a trajectory (trained tokens set apart from masked ones)
 9. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
 
