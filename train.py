@@ -240,6 +240,9 @@ def main(argv=None, generate_fn=None):
     sharded = rollout_model is not None  # FSDP: each rank rolls out with a full copy of the policy
     policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
     rollout_kwargs = rollout_settings(args)
+    sampling = dict(group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn,
+                    **rollout_kwargs)  # GRPO's rollouts (and re-rolls)
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None and k != "source"})
     log = logger(accelerator, args.output_dir)
@@ -263,15 +266,12 @@ def main(argv=None, generate_fn=None):
         mine = step_questions(questions, step, args.batch_size, args.seed)[rank * share:(rank + 1) * share]
         if sharded:
             gather_full_weights(model, rollout_model)
+        seed = args.seed * 100003 + step * world + rank  # sampling seeded per rank and step (and chunk)
         with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
-            trajectories = rollout_in_chunks(  # sampling seeded per rank, step (and chunk)
-                policy, tokenizer, mine, search, args.rollout_batch_size, args.seed * 100003 + step * world + rank,
-                group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn, **rollout_kwargs)
-            rows, rerolls = rerollouts(args, policy, tokenizer, mine, trajectories, search,  # --reroll_turn K (off: [])
-                                       args.seed * 100003 + step * world + rank + 500009, generate_fn, rollout_kwargs)
+            trajectories = rollout_in_chunks(policy, tokenizer, mine, search, args.rollout_batch_size, seed, **sampling)
+            rows, rerolls = rerollouts(args, policy, tokenizer, mine, trajectories, search, seed + 500009, sampling)  # off: []
         release_freed_memory()
-        experts = oracle_trajectories(args, mine, trajectories, search, tokenizer, args.seed * 100003 + step * world + rank,
+        experts = oracle_trajectories(args, mine, trajectories, search, tokenizer, seed,
                                       rollout_kwargs)  # toy recipe: the oracle joins unsolved groups (none in the paper preset)
         t_rollout = time.time() - t0
 
@@ -414,7 +414,7 @@ def rollout_in_chunks(policy, tokenizer, questions, search, rollout_batch_size, 
     return trajectories
 
 
-def rerollouts(args, policy, tokenizer, questions, trajectories, search, seed, generate_fn, rollout_kwargs):
+def rerollouts(args, policy, tokenizer, questions, trajectories, search, seed, sampling):
     """--reroll_turn K: local re-rolls from a shared memory state (Memory-R2; Tree-GRPO shares
     prefixes the same way). A MemSearcher state is (question, memory), so for each question the
     first of its G trajectories that went on past turn K gives its memory after turn K, and G more
@@ -430,10 +430,7 @@ def rerollouts(args, policy, tokenizer, questions, trajectories, search, seed, g
         parent = next((t for t in trajectories if t.qid == str(q["id"]) and t.num_turns > args.reroll_turn), None)
         if parent is not None:
             rows.append({**q, "id": f"{q['id']}@{args.reroll_turn}", "state": agent.state_after(parent, args.reroll_turn)})
-    rerolls = rollout_in_chunks(policy, tokenizer, rows, search, args.rollout_batch_size, seed, group_size=args.group_size,
-                                max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, generate_fn=generate_fn, **rollout_kwargs) if rows else []
-    return rows, rerolls
+    return rows, rollout_in_chunks(policy, tokenizer, rows, search, args.rollout_batch_size, seed, **sampling) if rows else []
 
 
 def rollout_settings(args):
@@ -673,9 +670,9 @@ def step_metrics(accelerator, step, batch, sums, grad_norms, gap, timing):
 def write_samples(output_dir, step, batch, tokenizer, groups):
     """samples.jsonl: the step's first `groups` groups, every trajectory whole. Each line keeps the
     keys it always had (step, question, golden_answers, prediction, reward, end_reason, turns) and
-    adds: group (the question id; qid@K for a re-rolled group), member (its place in the group), oracle, trained (its group was
-    not skipped as tied), advantage, shaped_reward (what the advantage came from), evidence,
-    context_tokens, and per conversation its response tokens (each decoded alone), loss mask and
+    adds: group (the question id; qid@K for a re-rolled group), member (its place in the group),
+    oracle, trained (its group was not skipped as tied), advantage, shaped_reward (what the
+    advantage came from), evidence, context_tokens, and per conversation its response tokens (each decoded alone), loss mask and
     log-probs (pi_old's where computed, else those recorded while sampling; none for an oracle
     trajectory that was not trained)."""
     chosen = list(dict.fromkeys(t.qid for t in batch.group[:batch.broadcast]))[:groups]
