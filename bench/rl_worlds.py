@@ -202,18 +202,21 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
              "|" + " --- |" * 10]
     stats, pool = {}, {0: [], steps: []}
     for world in WORLDS:
-        folders = [os.path.join(out, "eval", world, f"test-{s}") for s in (0, steps)]
-        if not all(os.path.isfile(os.path.join(f, "results.json")) for f in folders):
+        done = [s for s in (0, steps) if os.path.isfile(os.path.join(out, "eval", world, f"test-{s}", "results.json"))]
+        if not done:
             lines.append(f"| {world} | not evaluated yet |" + " |" * 8)
             continue
-        data_file = os.path.join(world_data(out, world), "test.jsonl")
-        rows, passages = load_world(data_file)
-        predictions = {s: load_predictions(os.path.join(out, "eval", world, f"test-{s}")) for s in (0, steps)}
+        rows, passages = load_world(os.path.join(world_data(out, world), "test.jsonl"))
+        predictions = {s: load_predictions(os.path.join(out, "eval", world, f"test-{s}")) for s in done}
         for s in (0, steps):
-            pool[s] += predictions[s]
+            if s not in done:  # one policy evaluated: its row stands alone, outside the pool
+                lines.append(f"| {world} | {'warm start' if s == 0 else f'GRPO {s} steps'}: not evaluated yet |" + " |" * 8)
+                continue
+            if len(done) == 2:
+                pool[s] += predictions[s]
             b = stats[world, s] = behaviour(predictions[s], rows, passages)
             t = b["types"]
-            diff = fmt(paired(predictions[0], predictions[s]), 3, signed=True) if s else "–"
+            diff = fmt(paired(predictions[0], predictions[s]), 3, signed=True) if s and 0 in done else "–"
             lines.append(f"| {world} | {'warm start' if s == 0 else f'GRPO {s} steps'} | {b['format_valid'][0]:.2f} | "
                          f"{fmt(b['em'])} | {fmt(b['f1'])} | {diff} | {b['ends'].get('answer', 0)} / {b['ends'].get('max_turns', 0)} | "
                          + " / ".join(f"{t[k]['f1']:.2f}" for k in TYPES) + " | "
@@ -224,7 +227,7 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
         f1 = [p["f1"] for p in pool[s]]
         stats["pool", s] = {"f1": (sum(f1) / len(f1), evaluate.bootstrap_interval(f1)), "n": len(f1)}
     stats["pool", "diff"] = paired(pool[0], pool[steps])
-    worlds = sum((w, 0) in stats for w in WORLDS)
+    worlds = sum((w, 0) in stats and (w, steps) in stats for w in WORLDS)
     lines.append(f"| pool of {len(pool[0])} ({worlds} of {len(WORLDS)} worlds) | warm start → GRPO | | | {fmt(stats['pool', 0]['f1'])} → "
                  f"{fmt(stats['pool', steps]['f1'])} | {fmt(stats['pool', 'diff'], 3, signed=True)} | | | | |")
     return lines, stats
@@ -306,7 +309,7 @@ def plot(out: str, stats: dict, steps: int, points: list[tuple], figures: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(figures, exist_ok=True)
-    names = [w for w in list(WORLDS) + ["pool"] if (w, 0) in stats]
+    names = [w for w in list(WORLDS) + ["pool"] if (w, 0) in stats and (w, steps) in stats]
     if names:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for k, (s, label, colour) in enumerate(((0, "warm start", "tab:gray"), (steps, f"GRPO {steps} steps", "tab:blue"))):
@@ -345,7 +348,7 @@ def plot(out: str, stats: dict, steps: int, points: list[tuple], figures: str):
 def report(args):
     table, stats = world_table(args.out, args.steps)
     curve_lines, points = curve(args.out, args.curve_steps)
-    complete = all((w, 0) in stats for w in WORLDS)
+    complete = all((w, 0) in stats and (w, args.steps) in stats for w in WORLDS)
     try_lines = tries(args.out, args.steps)
     text = "\n".join(["## Test, each world's warm start and GRPO", "", *table, "", "## Goals", "",
                       *(goals(stats, args.steps) if complete else ["(when every world is evaluated)"]),

@@ -402,6 +402,29 @@ def test_world_goals_read_by_hand():
     assert sorted(worlds.coarse_to_fine(6)) == [0, 2, 4, 6]
 
 
+def test_world_table_pairs_each_world_and_pools_only_whole_worlds(tmp_path, monkeypatch):
+    """bench/rl_worlds.world_table: a world with both policies evaluated gets its paired difference
+    and joins the pool; one with only its warm start evaluated shows that row alone, outside the pool."""
+    worlds = rl_worlds()
+    monkeypatch.setattr(worlds, "WORLDS", {"toy": 0, "seed2": 2})
+    monkeypatch.setattr(worlds, "world_data", lambda out, world: os.path.join(ROOT, "data", "toy"))
+    first, second = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "test.jsonl"))][:2]
+    p = lambda world, row, f1: {"dataset": world, "id": row["id"], "f1": f1, "em": f1, "acc": f1, "reward": 1.0,  # noqa: E731
+                                "num_searches": 1, "end_reason": "answer", "turns": []}
+    for world, step, f1s in (("toy", 0, (0.0, 1.0)), ("toy", 8, (1.0, 1.0)), ("seed2", 0, (0.5, 0.5))):
+        folder = tmp_path / "eval" / world / f"test-{step}"
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text("{}")
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(p(world, r, f)) + "\n" for r, f in zip((first, second), f1s)))
+    lines, stats = worlds.world_table(str(tmp_path), 8)
+    toy_warm, toy_grpo, seed2_warm, seed2_grpo, pool = lines[2:]
+    assert toy_warm.split(" | ")[5] == "–" and toy_grpo.split(" | ")[5].startswith("+0.500 [")  # mean of (1 - 0, 1 - 1)
+    assert seed2_warm.startswith("| seed2 | warm start | 1.00 |") and seed2_warm.split(" | ")[5] == "–"
+    assert seed2_grpo.startswith("| seed2 | GRPO 8 steps: not evaluated yet |") and ("seed2", 8) not in stats
+    assert pool.startswith("| pool of 2 (1 of 2 worlds) |") and "0.50 [" in pool and "→ 1.00 [" in pool
+    assert stats["pool", "diff"][0] == pytest.approx(0.5)
+
+
 def test_world_training_rewards_read_only_grpo_rows(tmp_path):
     """bench/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows;
     a last line still being written is skipped."""
