@@ -196,6 +196,11 @@ def fmt(value_interval, digits=2, signed=False) -> str:
     return f"{value:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
+def whole(stats: dict, world: str, steps: int) -> bool:
+    """Both of the world's policies (warm start and GRPO) are evaluated: it is in the pool and the figure."""
+    return (world, 0) in stats and (world, steps) in stats
+
+
 def world_table(out: str, steps: int) -> tuple[list[str], dict]:
     lines = ["| world | policy | format-valid | EM | F1 | paired F1 − warm start | ends: answer / turn limit | "
              "F1 single / bridge / comparison | searches single / bridge / comparison | bridge: hop 2 searched |",
@@ -227,7 +232,7 @@ def world_table(out: str, steps: int) -> tuple[list[str], dict]:
         f1 = [p["f1"] for p in pool[s]]
         stats["pool", s] = {"f1": (sum(f1) / len(f1), evaluate.bootstrap_interval(f1)), "n": len(f1)}
     stats["pool", "diff"] = paired(pool[0], pool[steps])
-    worlds = sum((w, 0) in stats and (w, steps) in stats for w in WORLDS)
+    worlds = sum(whole(stats, w, steps) for w in WORLDS)
     lines.append(f"| pool of {len(pool[0])} ({worlds} of {len(WORLDS)} worlds) | warm start → GRPO | | | {fmt(stats['pool', 0]['f1'])} → "
                  f"{fmt(stats['pool', steps]['f1'])} | {fmt(stats['pool', 'diff'], 3, signed=True)} | | | | |")
     return lines, stats
@@ -309,7 +314,7 @@ def plot(out: str, stats: dict, steps: int, points: list[tuple], figures: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(figures, exist_ok=True)
-    names = [w for w in list(WORLDS) + ["pool"] if (w, 0) in stats and (w, steps) in stats]
+    names = [w for w in list(WORLDS) + ["pool"] if whole(stats, w, steps)]
     if names:
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
         for k, (s, label, colour) in enumerate(((0, "warm start", "tab:gray"), (steps, f"GRPO {steps} steps", "tab:blue"))):
@@ -348,7 +353,7 @@ def plot(out: str, stats: dict, steps: int, points: list[tuple], figures: str):
 def report(args):
     table, stats = world_table(args.out, args.steps)
     curve_lines, points = curve(args.out, args.curve_steps)
-    complete = all((w, 0) in stats and (w, args.steps) in stats for w in WORLDS)
+    complete = all(whole(stats, w, args.steps) for w in WORLDS)
     try_lines = tries(args.out, args.steps)
     text = "\n".join(["## Test, each world's warm start and GRPO", "", *table, "", "## Goals", "",
                       *(goals(stats, args.steps) if complete else ["(when every world is evaluated)"]),
