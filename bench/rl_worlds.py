@@ -282,7 +282,8 @@ def tries(out: str, steps: int) -> list[str]:
     plain = os.path.join(out, "eval", "toy", f"validation-{steps}")
     lines = ["| try (train.py flags) | format-valid | F1 | paired F1 − plain GRPO | searches single / bridge / comparison | "
              "F1 single / bridge / comparison | bridge: hop 2 searched | training reward, steps 1–N |", "|" + " --- |" * 8]
-    found = sorted(d for d in os.listdir(out) if d.startswith("try-")) if os.path.isdir(out) else []
+    names = os.listdir(out) if os.path.isdir(out) else []
+    found = sorted(d for d in names if d.startswith("try-") and os.path.isdir(os.path.join(out, d)))  # not try-NAME.log
     for name in found:
         folder = os.path.join(out, "eval", "toy", f"{name}-{steps}")
         if not os.path.isfile(os.path.join(folder, "results.json")) or not os.path.isfile(os.path.join(plain, "results.json")):

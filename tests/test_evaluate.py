@@ -452,6 +452,7 @@ def test_a_try_is_reported_paired_against_the_plain_run(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "flags.txt").write_text("--reroll_turn 1\n")
     (tmp_path / "try-reroll" / "metrics.jsonl").write_text(json.dumps({"phase": "grpo", "step": 1, "reward": 0.25}) + "\n")
+    (tmp_path / "try-reroll.log").write_text("a try's log, kept beside its folder, is not a try\n")
     header, _, later, reroll = worlds.tries(str(tmp_path), 8)
     assert "paired F1 − plain GRPO" in header and later.startswith("| try-later | not evaluated yet |")
     cells = [c.strip() for c in reroll.split("|")[1:-1]]
