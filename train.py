@@ -872,7 +872,9 @@ def backward_shared_prefixes(accelerator, model, micro_batches, p, prefixes, pre
 # ---------------------------------------------------------------------------------------------
 def peak_memory(reset=False):
     """Peak memory in GB: the GPU's allocated peak, or (Linux) the process's resident high-water
-    mark, VmHWM; with `reset` the mark restarts from here, so that one phase can be measured."""
+    mark, VmHWM; with `reset` the mark restarts from here, so that one phase can be measured. The
+    kernel reads that same mark at exit, so after a reset `/usr/bin/time`'s max RSS understates the
+    run's peak: the largest logged `peak_memory_gb` is the peak."""
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
         if reset:
