@@ -57,8 +57,12 @@ def test_shared_prefix_step_equals_plain(tiny_lm_dir, small_corpus, tiny_encoder
     assert shared["encoded_tokens"] < plain["encoded_tokens"]
     assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-6) and shared["kl"] == pytest.approx(plain["kl"], abs=1e-7)
     a, b = state(tmp_path / "plain" / "checkpoint-1"), state(tmp_path / "shared" / "checkpoint-1")
-    for k in a:  # AdamW divides by each gradient's own scale: float order shows as ~0.1% of a 1e-3 step
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    # AdamW's update is lr * m / (sqrt(v) + eps): a gradient that cancels to near eps turns float order
+    # into a visible share of the 1e-3 step (1.2% for one weight in 1.5M on AVX-512 kernels, none on AVX2).
+    # So: every weight within 1e-5 but at most a few, and those within 5% of a step.
+    for k in a:
+        off = ~torch.isclose(b[k], a[k], rtol=1e-4, atol=1e-5)
+        assert off.sum() <= 4 and (b[k] - a[k]).abs().max() <= 5e-5, (k, int(off.sum()))
 
 
 SYSTEM, QA, QB, M1, M2 = list(range(11, 21)), [101] * 5, [201] * 5, [301] * 7, [401] * 7  # 10, 5, 5, 7, 7 tokens
@@ -890,12 +894,16 @@ def test_the_lora_reference_is_the_base_model(tiny_lm, tokenizer):
 
 @NEEDS_PEFT
 def test_a_lora_run_resumes_bit_exactly(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
+    from scripted_policy import scripted_generate  # answers right or wrong at random: real advantages
+
     common = dict(train_data=yes_questions, kl_coef=0.01, lora_rank=4, lora_alpha=8)
-    straight = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "straight", max_steps=2, **common))
-    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=1, **common))
+    straight = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "straight", max_steps=2, **common),
+                          generate_fn=scripted_generate)
+    train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=1, **common),
+               generate_fn=scripted_generate)
     state_files = os.listdir(tmp_path / "resumed" / "checkpoint-1" / "state")
     resumed = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path / "resumed", max_steps=2,
-                                   resume=True, **common))
+                                   resume=True, **common), generate_fn=scripted_generate)
     a, b = adapter_state(straight), adapter_state(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     lora = [k for k in a if "lora_B" in k]
