@@ -43,8 +43,8 @@ EVAL_ARGS ?= --max_turns 5 --max_new_tokens 128
 run: install  ## the main job: warm start + multi-context GRPO on the embedded default, then its evaluation
 	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume
 	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval --limit $(EVAL_LIMIT) $(EVAL_ARGS)
-	$(PYTHON) bench/plot_curve.py $(RUN)/metrics.jsonl
-	$(PYTHON) bench/report.py $(RUN) -o $(RUN)/samples.html
+	$(PYTHON) tools/plot_curve.py $(RUN)/metrics.jsonl
+	$(PYTHON) tools/report.py $(RUN) -o $(RUN)/samples.html
 	@echo "The memory at work, turn by turn (open in a browser): $(RUN)/eval/report.html (test questions), $(RUN)/samples.html (GRPO groups)"
 
 test: install

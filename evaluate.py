@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 import agent
 import retriever
-from data.oracle import evidence_share
+from toy.oracle import evidence_share
 from data.questions import load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -419,14 +419,14 @@ def write_reports(output_dir: str, results: dict):
 
 
 def html_report(output_dir: str):
-    """report.html: every question's trajectory, turn by turn, as one page (bench/report.py)."""
-    spec = importlib.util.spec_from_file_location("report", os.path.join(HERE, "bench", "report.py"))
+    """report.html: every question's trajectory, turn by turn, as one page (tools/report.py)."""
+    spec = importlib.util.spec_from_file_location("report", os.path.join(HERE, "tools", "report.py"))
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     try:
         path = report.main([output_dir, "-o", os.path.join(output_dir, "report.html")])
     except (Exception, SystemExit) as e:  # the results are saved already: say so, and go on
-        print(f"warning: no report.html ({e}); results.json is written. Retry: python bench/report.py {output_dir}")
+        print(f"warning: no report.html ({e}); results.json is written. Retry: python tools/report.py {output_dir}")
         return
     print(f"the trajectories, turn by turn (open in a browser): {path}")
 

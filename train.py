@@ -36,7 +36,7 @@ from tqdm import tqdm
 import agent
 import grpo
 import retriever
-from data.oracle import evidence_share
+from toy.oracle import evidence_share
 from data.questions import load_questions
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ HYPERPARAMETERS = [
      "first stage); paper: 0.001"),
     ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0: with no reward signal it only raises entropy)"),
     # The small-budget recipe (section 4; docs/design.md): every option off in the paper preset.
-    ("oracle_per_group", 1, 0, "K oracle trajectories (data/oracle.py) join each group whose question has a reasoning chain "
+    ("oracle_per_group", 1, 0, "K oracle trajectories (toy/oracle.py) join each group whose question has a reasoning chain "
      "(expert bootstrapping: David-GRPO, LUFFY); paper: 0"),
     ("oracle_when_unsolved", True, False, "add the oracle only to groups where no sampled trajectory earned reward 1"),
     ("evidence_weight", 0.3, 0.0, "lambda: reward = (1 - lambda) released reward + lambda share of the question's supporting "
@@ -120,7 +120,7 @@ HYPERPARAMETERS = [
     ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (toy: peak 6.6 -> 5.0 GB, "
      "update +8%, docs/performance.md)"),
     ("sample_groups", 1, 1, "groups per step written whole to samples.jsonl (each trajectory's reward, advantage, "
-     "oracle flag, and per conversation its tokens, loss mask and log-probs; bench/report.py renders them)"),
+     "oracle flag, and per conversation its tokens, loss mask and log-probs; tools/report.py renders them)"),
     ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
     ("timeout_minutes", 60, 60, "how long a rank waits for the others at a collective before the run fails (e.g. while "
      "rank 0 builds the index; the default of torch's NCCL watchdog is 10)"),
@@ -705,11 +705,11 @@ def sample_logprobs(c, sampled):
 # ---------------------------------------------------------------------------------------------
 def oracle_trajectories(args, questions, trajectories, search, tokenizer, seed, rollout_kwargs):
     """--oracle_per_group K: expert bootstrapping (David-GRPO, LUFFY). K trajectories of the oracle
-    (data/oracle.py) join the group of each question that has a reasoning chain, with
+    (toy/oracle.py) join the group of each question that has a reasoning chain, with
     --oracle_when_unsolved only where no sampled trajectory earned reward 1. [] when K = 0."""
     if not args.oracle_per_group:
         return []
-    from data import oracle
+    from toy import oracle
 
     solved = {t.qid for t in trajectories if t.reward >= 1.0} if args.oracle_when_unsolved else set()
     return oracle.group_experts([q for q in questions if str(q["id"]) not in solved], search, tokenizer,
@@ -776,12 +776,12 @@ def run_warm_start(accelerator, model, optimizer, tokenizer, reference, rollout_
 
 def demonstrations(args, search, tokenizer, rollout_kwargs):
     """Oracle demonstrations of --warm_start_questions train questions, the first of each type in the
-    --warm_start_mix shares (data/oracle.py): acted out through agent.rollout, so prompts, tool turns and loss masks are exactly RL's."""
-    from data import oracle  # the toy world's oracle: needs rows with reasoning chains
+    --warm_start_mix shares (toy/oracle.py): acted out through agent.rollout, so prompts, tool turns and loss masks are exactly RL's."""
+    from toy import oracle  # the toy world's oracle: needs rows with reasoning chains
 
     rows = oracle.load_rows(args.train_data)
     if not all((r.get("metadata") or {}).get("chain") for r in rows):
-        raise SystemExit(f"train.py: --warm_start_steps needs questions with reasoning chains (data/make_toy.py); "
+        raise SystemExit(f"train.py: --warm_start_steps needs questions with reasoning chains (toy/make_toy.py); "
                          f"{args.train_data} has none: use --warm_start_steps 0")
     try:
         rows = oracle.pick_questions(rows, args.warm_start_questions, warm_start_mix(args))

@@ -15,7 +15,7 @@ Prints, from one run (best with a warm-started `--model`: an untrained one never
    against the batched rollout, in tokens/s, with the ratio rollout / raw;
 3. context tokens per turn (the paper's Figure 3): MemSearcher vs ReAct on the same questions over
    10 turns, with a scripted policy that searches every turn and the real retriever's documents;
-   a plot `bench/context_tokens.png` when matplotlib is installed;
+   a plot `docs/figures/context_tokens.png` when matplotlib is installed;
 4. precision (`--sections 4`, best with a trained `--model`): the batched rollout in float32 against
    bfloat16 weights (evaluate.py --dtype), in tokens/s with the ratio, and how many greedy
    predictions and answers agree;
@@ -276,14 +276,14 @@ def bench_context(tokenizer, questions, search, args):
     total_m, total_r = sum(means["memsearcher"]), sum(means["react"])
     print(f"sum over {turns} turns of the mean context: MemSearcher {total_m:.0f}, ReAct {total_r:.0f} "
           f"({total_r / total_m:.2f}x)")
-    plot(means, os.path.join(ROOT, "bench", "context_tokens.png"))
+    plot(means, os.path.join(ROOT, "docs", "figures", "context_tokens.png"))
 
 
 def plot(means, path):
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib to get bench/context_tokens.png)")
+        print("matplotlib is not installed: no plot (pip install matplotlib to get docs/figures/context_tokens.png)")
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random models built from a config (fast, offline).
 
 The suite runs on CPUs whatever the machine has: CUDA devices are hidden (here and in the
-processes tests start), unless MEMSEARCHER_TEST_CUDA=1, which bench/gpu_check.py sets to run the
+processes tests start), unless MEMSEARCHER_TEST_CUDA=1, which tools/gpu_check.py sets to run the
 tests marked `cuda` (`pytest -m cuda`); those skip where no GPU is visible."""
 import os
 import shutil
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    why = pytest.mark.skip(reason="needs a CUDA GPU, with MEMSEARCHER_TEST_CUDA=1 (bench/gpu_check.py runs these)")
+    why = pytest.mark.skip(reason="needs a CUDA GPU, with MEMSEARCHER_TEST_CUDA=1 (tools/gpu_check.py runs these)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(why)
@@ -52,7 +52,7 @@ def tokenizer():
 
     import agent
 
-    if os.environ.get("MEMSEARCHER_TEST_TOKENIZER"):  # the same tokenizer saved as a folder (bench/gpu_check.py)
+    if os.environ.get("MEMSEARCHER_TEST_TOKENIZER"):  # the same tokenizer saved as a folder (tools/gpu_check.py)
         tok = AutoTokenizer.from_pretrained(os.environ["MEMSEARCHER_TEST_TOKENIZER"])
     else:
         folder, name = os.path.split(agent.default_model_file())

@@ -1,5 +1,5 @@
 """The committed toy worlds (data/toy/, and data/toy_seed1/ for transfer): formats, answerability,
-reasoning chains, splits, reproducibility; the oracle's demonstrations (data/oracle.py); question
+reasoning chains, splits, reproducibility; the oracle's demonstrations (toy/oracle.py); question
 rows for training and evaluation (data/questions.py)."""
 import json
 import re
@@ -203,7 +203,7 @@ def some_rows(train, per_type=6):
 
 @pytest.fixture(scope="module")
 def demos(toy, tokenizer):
-    from data import oracle
+    from toy import oracle
 
     rows = some_rows(toy["train"])
     trajectories, stats = oracle.make_demonstrations(rows, fake_search(toy["corpus"]), tokenizer, seed=0)
@@ -212,7 +212,7 @@ def demos(toy, tokenizer):
 
 def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
     import agent
-    from data import oracle
+    from toy import oracle
 
     rows, trajectories, stats = demos
     assert stats["offered"] == stats["kept"] == len(rows) == len(trajectories) and not stats["dropped"]
@@ -260,7 +260,7 @@ def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
 def test_oracle_kinds_tell_every_hop_of_a_bridge_apart(toy):
     """The oracle's choice "That gives the <kind>" = "asks for the <kind>" is right only if a bridge's
     first hop never gives what its last hop gives: true of every relation pair the worlds use."""
-    from data import oracle
+    from toy import oracle
 
     for world in WORLDS:
         for r in read_jsonl(DATA / world / "train.jsonl") + read_jsonl(DATA / world / "test.jsonl"):
@@ -313,7 +313,7 @@ def test_oracle_loss_masks_match_a_replayed_rollout(demos, toy, tokenizer):
 
 
 def test_oracle_drops_a_trajectory_whose_support_was_not_retrieved(toy, tokenizer):
-    from data import oracle
+    from toy import oracle
 
     row = next(r for r in toy["train"] if r["metadata"]["type"] == "bridge")
     hidden = row["metadata"]["chain"][1]["passage_id"]
@@ -326,7 +326,7 @@ def test_oracle_drops_a_trajectory_whose_support_was_not_retrieved(toy, tokenize
 def test_oracle_reads_hop_from_memory_and_tolerates_both_prompt_endings(toy):
     """Stateless: the next hop follows from the memory in the prompt; "<think>" and "<think>\\n" both work."""
     import agent
-    from data import oracle
+    from toy import oracle
 
     row = next(r for r in toy["train"] if r["metadata"]["type"] == "bridge")
     first, second = row["metadata"]["chain"]
@@ -342,7 +342,7 @@ def test_oracle_reads_hop_from_memory_and_tolerates_both_prompt_endings(toy):
 
 
 def test_pick_questions_takes_the_first_of_each_type_in_the_shares_given():
-    from data import oracle
+    from toy import oracle
 
     rows = [{"id": str(k), "metadata": {"type": t}} for k, t in enumerate("sbsscsbccsbs")]
     rows = [dict(r, metadata={"type": {"s": "single", "b": "bridge", "c": "comparison"}[r["metadata"]["type"]]})
@@ -377,10 +377,10 @@ def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
     assert adv.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
 
 
-# --- where a chain breaks (bench/chain_funnel.py), by hand ----------------------------------------
+# --- where a chain breaks (toy/chain_funnel.py), by hand ----------------------------------------
 def test_chain_funnel_counts_each_stage_only_after_the_ones_before():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("chain_funnel", ROOT / "bench" / "chain_funnel.py")
+    spec = importlib.util.spec_from_file_location("chain_funnel", ROOT / "toy" / "chain_funnel.py")
     funnel = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(funnel)
     chain = [{"search": "Mabeland", "passage_id": "7", "answer": "Ithstad"},
@@ -400,7 +400,7 @@ def test_group_experts_join_their_questions_groups_as_replayable_samples(toy, to
     by the row's id (its GRPO group), none for a row without one; each replays through agent.rollout
     to the same ids and masks, as a policy's sample would."""
     import agent
-    from data import oracle
+    from toy import oracle
 
     rows = some_rows(toy["train"], per_type=1)
     plain = {"id": "no-chain", "question": "Is it?", "golden_answers": ["yes"]}
@@ -420,7 +420,7 @@ def test_group_experts_join_their_questions_groups_as_replayable_samples(toy, to
 def test_evidence_share_by_hand():
     """E = |supporting ∩ retrieved| / |supporting|, over every turn's retrieved ids."""
     import agent
-    from data.oracle import evidence_share
+    from toy.oracle import evidence_share
 
     t = agent.Trajectory(qid="q", question="?", golden_answers=["a"])
     t.turns = [{"document_ids": [["1", "2"], []]}, {"document_ids": [["7", "2"]]}, {"generation": "no search"}]

@@ -179,7 +179,7 @@ def test_tiny_model_run_writes_all_outputs(tiny_lm_dir, small_corpus, tiny_encod
     results = evaluate.main(args_for(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, "--limit", 3, "--batch_size", 2))
     plot = ["context_tokens_per_turn.png"] if importlib.util.find_spec("matplotlib") else []
     assert sorted(os.listdir(out)) == sorted(["predictions.jsonl", "results.json", "results.md", "report.html"] + plot)
-    assert open(out / "report.html").read().count('<article class="card') == 3  # bench/report.py: a card per question
+    assert open(out / "report.html").read().count('<article class="card') == 3  # tools/report.py: a card per question
     records = read_jsonl(out / "predictions.jsonl")
     assert len(records) == 3 and all(set(r) == RECORD_FIELDS for r in records)
     assert [r["dataset"] for r in records] == ["toy"] * 3 and [r["index"] for r in records] == sorted(r["index"] for r in records)
@@ -343,10 +343,10 @@ def test_evidence_recall_by_hand():
     assert evaluate.summarize([without])["evidence_recall"] is None
 
 
-# --- what a policy did, by question type (bench/rl_worlds.py), by hand ---------------------------
+# --- what a policy did, by question type (toy/rl_worlds.py), by hand ---------------------------
 def rl_worlds():
-    """bench/rl_worlds.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "bench", "rl_worlds.py"))
+    """toy/rl_worlds.py as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("rl_worlds", os.path.join(ROOT, "toy", "rl_worlds.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -379,7 +379,7 @@ def test_world_behaviour_by_type_by_hand():
 
 
 def test_world_goals_read_by_hand():
-    """bench/rl_worlds.goals: each of the issue's goals from the table's figures, met or not."""
+    """toy/rl_worlds.goals: each of the issue's goals from the table's figures, met or not."""
     worlds = rl_worlds()
 
     def policy(em, limit, valid, hop2, single_searches, f1s):
@@ -403,7 +403,7 @@ def test_world_goals_read_by_hand():
 
 
 def test_world_table_pairs_each_world_and_pools_only_whole_worlds(tmp_path, monkeypatch):
-    """bench/rl_worlds.world_table: a world with both policies evaluated gets its paired difference
+    """toy/rl_worlds.world_table: a world with both policies evaluated gets its paired difference
     and joins the pool; one with only its warm start evaluated shows that row alone, outside the pool."""
     worlds = rl_worlds()
     monkeypatch.setattr(worlds, "WORLDS", {"toy": 0, "seed2": 2})
@@ -426,7 +426,7 @@ def test_world_table_pairs_each_world_and_pools_only_whole_worlds(tmp_path, monk
 
 
 def test_world_training_rewards_read_only_grpo_rows(tmp_path):
-    """bench/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows;
+    """toy/rl_worlds.training_rewards: the curve figure's right panel, (step, reward) of GRPO rows;
     a last line still being written is skipped."""
     worlds = rl_worlds()
     rows = [{"phase": "warm_start", "step": 1, "loss": 1.6}, {"phase": "grpo", "step": 1, "reward": 0.25},
@@ -437,7 +437,7 @@ def test_world_training_rewards_read_only_grpo_rows(tmp_path):
 
 
 def test_a_try_is_reported_paired_against_the_plain_run(tmp_path):
-    """bench/rl_worlds.tries: a try's validation row, F1 paired against the plain run's policy at
+    """toy/rl_worlds.tries: a try's validation row, F1 paired against the plain run's policy at
     the same step on the same questions, its flags and training rewards; one not yet evaluated says so."""
     worlds = rl_worlds()
     first, second = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "train.jsonl"))][1900:1902]

@@ -1,4 +1,4 @@
-"""bench/report.py: the HTML it writes, parsed (cards, turns, filters, escaping), its pieces by
+"""tools/report.py: the HTML it writes, parsed (cards, turns, filters, escaping), its pieces by
 hand, the training view of samples.jsonl, bad input, and (marked `browser`) the page in headless
 Chromium."""
 import importlib.util
@@ -12,7 +12,7 @@ from html.parser import HTMLParser
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "bench", "report.py"))
+spec = importlib.util.spec_from_file_location("report", os.path.join(ROOT, "tools", "report.py"))
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
 

@@ -404,7 +404,7 @@ def demonstration_fit(model, conversations, pad_id):
 
 def test_warm_start_lowers_heldout_nll_and_teaches_the_format(tiny_lm_dir, tokenizer, demo_world, tmp_path):
     import retriever
-    from data import oracle
+    from toy import oracle
 
     train.main(warm_args(tiny_lm_dir, demo_world, tmp_path))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -920,7 +920,7 @@ def test_lora_on_two_processes_ends_equal(two_process_args, tiny_lm_dir, tmp_pat
     assert any("lora_B" in k and v.abs().sum() > 0 for k, v in r0["params"].items())
 
 
-# --- on a GPU (bench/gpu_check.py runs these: MEMSEARCHER_TEST_CUDA=1 pytest -m cuda) ----------------
+# --- on a GPU (tools/gpu_check.py runs these: MEMSEARCHER_TEST_CUDA=1 pytest -m cuda) ----------------
 def cuda_step(tiny_lm_dir, tmp_path, **extra):
     """One GRPO step on the GPU through train.py's own parts (no retriever: a stand-in search), in
     the precision `--mixed_precision auto` picks there. Returns (policy, reference, policy before, grad norms)."""

@@ -1,7 +1,7 @@
 """Trajectories as one self-contained HTML page: the memory at work, turn by turn.
 
-    python bench/report.py runs/memsearcher/eval -o report.html    # evaluate.py's folder (predictions.jsonl)
-    python bench/report.py runs/memsearcher -o samples.html        # train.py's folder (samples.jsonl)
+    python tools/report.py runs/memsearcher/eval -o report.html    # evaluate.py's folder (predictions.jsonl)
+    python tools/report.py runs/memsearcher -o samples.html        # train.py's folder (samples.jsonl)
 
 An evaluation gives one card per question: the question, its gold answers and (toy worlds) its
 gold chain, the prediction and its scores; then a row per turn with what the context held (the

@@ -1,7 +1,7 @@
 """Held-out F1 with its 95% interval, per policy and world, as bars (from evaluate.py results).
 
-    python bench/plot_heldout.py "toy/warm start=runs/eval/warm/results.json" \
-        "toy/+ GRPO=runs/eval/grpo/results.json" --out bench/figures/heldout_f1.png
+    python toy/plot_heldout.py "toy/warm start=runs/eval/warm/results.json" \
+        "toy/+ GRPO=runs/eval/grpo/results.json" --out docs/figures/heldout_f1.png
 
 Each argument is WORLD/POLICY=RESULTS: the bars of one world stand together, one colour per policy.
 The value is the pooled F1 over all of the run's questions ("average" in results.json, the same as

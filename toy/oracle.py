@@ -1,6 +1,6 @@
 """Oracle demonstrations for the embedded default's warm start (docs/design.md, "The warm start").
 
-The toy world records each question's reasoning chain (data/make_toy.py: per hop, the entity to
+The toy world records each question's reasoning chain (toy/make_toy.py: per hop, the entity to
 search, the fact sentence and its passage, the hop's answer). The oracle is a scripted policy that
 acts that chain out through `agent.rollout` itself, with the real search tool: each turn it reads
 the question and the memory from the prompt, searches the next hop's entity, writes the hop's fact
@@ -13,11 +13,11 @@ the documents the search tool actually returned in that trajectory (so no memory
 agent never saw).
 
     import agent, retriever
-    from data import oracle
+    from toy import oracle
     rows = oracle.load_rows("data/toy/train.jsonl")
     trajectories, stats = oracle.make_demonstrations(rows[:300], retriever.open_retriever(), tokenizer)
 
-    python data/oracle.py --n 300            # measure: how many demonstrations survive, and how fast
+    python toy/oracle.py --n 300            # measure: how many demonstrations survive, and how fast
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import agent  # noqa: E402
 # quotes the passage, and the memory keeps each fact under that name (`labelled`), so the kind in
 # `That gives the ...` is copied from the memory rather than inferred from a sentence. What a 135M
 # model did and did not learn from each earlier wording: docs/learning.md, "The log of tries".
-KIND = {  # relation (data/make_toy.py SPEC) -> what its fact gives; person roles stay apart
+KIND = {  # relation (toy/make_toy.py SPEC) -> what its fact gives; person roles stay apart
     "capital": "capital", "language": "language", "independence": "year", "country": "country",
     "height": "height", "climber": "first climber", "climb_year": "year", "length": "length",
     "source": "mountain", "river": "river", "population": "population", "founded": "year",

@@ -1,9 +1,9 @@
 """Per-rank peak memory of one GRPO training step: a plan, term by term, and its check on this CPU.
 
-    python bench/memory_plan.py                                     # the table: which setups fit which GPUs
-    python bench/memory_plan.py --model 3B --strategy fsdp --gpus 4 --gpu_gb 80 --rollout_batch_size 64
-    python bench/memory_plan.py --model 7B --strategy lora --gpus 1 --gpu_gb 80 --lora_rank 32
-    python bench/memory_plan.py --validate                          # plan vs measured peak RSS on this CPU
+    python tools/memory_plan.py                                     # the table: which setups fit which GPUs
+    python tools/memory_plan.py --model 3B --strategy fsdp --gpus 4 --gpu_gb 80 --rollout_batch_size 64
+    python tools/memory_plan.py --model 7B --strategy lora --gpus 1 --gpu_gb 80 --lora_rank 32
+    python tools/memory_plan.py --validate                          # plan vs measured peak RSS on this CPU
 
 A step's peak is the largest of its phases' peaks (docs/memory_plan.md):
   refresh   (FSDP only) the rollout copy reloaded from the gathered full state dict
@@ -647,7 +647,7 @@ def malloc_trim():
 
 def import_runtime():
     """What every measured process imports: torch, transformers' model classes, the project's modules."""
-    sys.path.insert(0, ROOT)  # before bench/ (its own grpo.py and retriever.py)
+    sys.path.insert(0, ROOT)
     import torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401

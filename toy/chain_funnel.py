@@ -1,6 +1,6 @@
 """Where does a toy question's reasoning chain break? A funnel over evaluate.py's predictions.
 
-For every question of a toy world (rows with their reasoning chain, data/make_toy.py) and each hop
+For every question of a toy world (rows with their reasoning chain, toy/make_toy.py) and each hop
 of its chain, in order: did some search name the hop's entity, was the hop's passage among the
 documents returned, and did some memory (after an update) hold the hop's answer; then, was the
 final answer right (EM). Counts are per question type; a question counts at a stage only if it
@@ -8,8 +8,8 @@ passed every earlier stage (hops in the chain's order; a comparison's in the ord
 so the first big drop is where the chain breaks. The last column is EM by any path. Reads predictions
 only: no model, no CPU to speak of.
 
-    python bench/chain_funnel.py runs/memsearcher/eval
-    python bench/chain_funnel.py runs/eval/seed1 --data data/toy_seed1/test.jsonl
+    python toy/chain_funnel.py runs/memsearcher/eval
+    python toy/chain_funnel.py runs/eval/seed1 --data data/toy_seed1/test.jsonl
 """
 import argparse
 import json

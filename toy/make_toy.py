@@ -11,7 +11,7 @@ distractors. Each entity gets one passage, or two splitting its facts (Search-R1
 Questions (FlashRAG format): ~50% single-hop (one fact), ~30% bridge (a fact of an entity named only
 through a fact of another, HotpotQA style), ~20% comparison (which is older / larger / taller, or
 yes-no "both" / "same" questions). Test questions name no entity that a train question names.
-Each row's metadata records its reasoning chain (what data/oracle.py acts out):
+Each row's metadata records its reasoning chain (what toy/oracle.py acts out):
 
     {"type": "single" | "bridge" | "comparison",
      "supporting_ids": [passage id, ...],           # the passages stating the facts it needs
@@ -29,8 +29,8 @@ Each row's metadata records its reasoning chain (what data/oracle.py acts out):
 
 The last hop's answer is the gold answer of single-hop and bridge questions.
 
-    python data/make_toy.py --out data/toy --seed 0 --passages 3000 --train 2000 --test 200
-    python data/make_toy.py --out data/toy_seed1 --seed 1   # a second world, no name shared with seed 0's
+    python toy/make_toy.py --out data/toy --seed 0 --passages 3000 --train 2000 --test 200
+    python toy/make_toy.py --out data/toy_seed1 --seed 1   # a second world, no name shared with seed 0's
 """
 import argparse
 import json

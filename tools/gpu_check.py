@@ -1,9 +1,9 @@
 """One-shot check of the GPU path, for one H100/H200 (about 6 minutes; downloads nothing).
 
-    python bench/gpu_check.py --prepare          # here, with network: writes .gpu/ (~17 MB, git-ignored)
+    python tools/gpu_check.py --prepare          # here, with network: writes .gpu/ (~17 MB, git-ignored)
     # on the GPU machine, .gpu/ carried beside the repository:
-    pip install --no-deps --target /tmp/site .gpu/wheels/*.whl && PYTHONPATH=/tmp/site python bench/gpu_check.py
-    python bench/gpu_check.py --device cpu --small   # a dry run of every part at toy sizes (any machine)
+    pip install --no-deps --target /tmp/site .gpu/wheels/*.whl && PYTHONPATH=/tmp/site python tools/gpu_check.py
+    python tools/gpu_check.py --device cpu --small   # a dry run of every part at toy sizes (any machine)
 
 `--prepare` saves what the GPU machine may lack: the embedded default's tokenizer as a folder
 (its ids for padding and stops; no weights) and the transformers wheel this code needs (5.24, the
@@ -16,7 +16,7 @@ from their configs on the GPU. Parts, each printed as it ends:
    `agent.generate`;
 3. rollout probe at the paper's shape: a random Qwen2.5-3B, float32 weights under bf16 autocast (as
    DDP rolls out), R rows of 1,500-token prompts generating 512 tokens: seconds per decode step,
-   peak memory beside bench/memory_plan.py's rollout term for the same shape;
+   peak memory beside tools/memory_plan.py's rollout term for the same shape;
 4. update probe: one AdamW update of the 3B (float32 master weights, bf16 autocast, gradient
    checkpointing) on m conversations of 3,500 tokens through grpo's loss: time, peak memory beside
    the plan's, finite gradient norm;
@@ -33,7 +33,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench")]
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 PREPARED = os.path.join(ROOT, ".gpu")
 TRANSFORMERS_WHEEL = "transformers==5.24.0"
 
@@ -103,7 +103,7 @@ def peak_gb(device, reset=False):
 
 
 def plan_gb(dims, phases, **setup):
-    """bench/memory_plan.py's largest total over `phases` for this shape, in GiB, without its runtime
+    """tools/memory_plan.py's largest total over `phases` for this shape, in GiB, without its runtime
     term (max_memory_allocated counts tensors only); NaN for the toy sizes of a dry run."""
     import memory_plan
     name = {id(QWEN_3B): "3B", id(QWEN_05B): "0.5B"}.get(id(dims))

@@ -1,14 +1,14 @@
 """GRPO from each world's own warm start, and the toy world's learning curve: the runs and their report.
 
-Three worlds (toy = data/toy, seed 0; seeds 2 and 3 made here with data/make_toy.py), each trained
+Three worlds (toy = data/toy, seed 0; seeds 2 and 3 made here with toy/make_toy.py), each trained
 with the toy preset unchanged: its warm start on the world's own demonstrations, then GRPO. The
 toy world runs --curve_steps steps with a checkpoint every 2 (the curve); the others --steps (the
 toy world's policy for the table is its checkpoint at --steps: the step's questions and sampling
 seeds do not depend on the run's length, and the learning rate is constant).
 
-    python bench/rl_worlds.py run    --out runs/worlds   # resumable: run it again after a stop
-    python bench/rl_worlds.py report --out runs/worlds   # tables (report.md) and figures
-    python bench/rl_worlds.py try --out runs/worlds --name reroll1 --flags "--reroll_turn 1"
+    python toy/rl_worlds.py run    --out runs/worlds   # resumable: run it again after a stop
+    python toy/rl_worlds.py report --out runs/worlds   # tables (report.md) and figures
+    python toy/rl_worlds.py try --out runs/worlds --name reroll1 --flags "--reroll_turn 1"
                                    # one try of an optional change: toy, same warm start, validation
 
 `run` does, in order, each part skipped once done: train toy; evaluate the toy warm start and
@@ -29,12 +29,12 @@ from collections import Counter, defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [ROOT, HERE]
+sys.path[:0] = [ROOT, HERE, os.path.join(ROOT, "tools")]
 import evaluate  # noqa: E402
 from chain_funnel import funnel  # noqa: E402
 from plot_curve import read_rows  # noqa: E402
 
-WORLDS = {"toy": 0, "seed2": 2, "seed3": 3}  # name -> data/make_toy.py seed
+WORLDS = {"toy": 0, "seed2": 2, "seed3": 3}  # name -> toy/make_toy.py seed
 TYPES = ("single", "bridge", "comparison")
 EVAL_ARGS = ["--max_turns", "5", "--max_new_tokens", "128"]  # as `make run` evaluates
 VALIDATION_ROWS = (1900, 2000)  # train rows never demonstrated (the warm start takes the first 100)
@@ -49,7 +49,7 @@ def world_data(out: str, world: str) -> str:
         return os.path.join(ROOT, "data", "toy")
     folder = os.path.join(out, "data", world)
     if not os.path.isfile(os.path.join(folder, "corpus.jsonl")):
-        sh([sys.executable, os.path.join(ROOT, "data", "make_toy.py"), "--seed", str(WORLDS[world]), "--out", folder])
+        sh([sys.executable, os.path.join(ROOT, "toy", "make_toy.py"), "--seed", str(WORLDS[world]), "--out", folder])
     return folder
 
 

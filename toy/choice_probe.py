@@ -8,7 +8,7 @@ whether it is the oracle's choice (answer only once the memory holds the whole c
 mean probability of that choice between the two words (what sampling at temperature 1 would take). It also
 lets the model finish "The question asks for the" greedily and checks the kind it names.
 
-    python bench/choice_probe.py runs/memsearcher/warm_start [--n 60]
+    python toy/choice_probe.py runs/memsearcher/warm_start [--n 60]
 """
 import argparse
 import os
@@ -20,7 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import agent  # noqa: E402
-from data import oracle  # noqa: E402
+from toy import oracle  # noqa: E402
 
 
 def main():

@@ -1,7 +1,7 @@
 """The learning curve of a train.py run, as it is: tables, and a plot when matplotlib is there.
 
-    python bench/plot_curve.py runs/memsearcher/metrics.jsonl            # tables (+ reward.png beside it)
-    python bench/plot_curve.py /tmp/run/metrics.jsonl --out curve.png --window 5
+    python tools/plot_curve.py runs/memsearcher/metrics.jsonl            # tables (+ reward.png beside it)
+    python tools/plot_curve.py /tmp/run/metrics.jsonl --out curve.png --window 5
 
 Reads metrics.jsonl (a run still writing it is fine: a partial last line is skipped). The warm
 start (rows with phase "warm_start") is a table of its negative log-likelihood per step; GRPO
