@@ -5,7 +5,6 @@
 1. the policy model     2. the prompt (system, user, tool response)     3. parsing model output
 4. reward and metrics   5. what a rollout returns (Conversation, Trajectory)
 6. batched generation with recorded log-probs     7. rollouts: MemSearcher and the ReAct baseline
-   (MemSearcher's also from a saved state, question and memory: state_after)
 8. printing a trajectory (trained tokens set apart from masked ones)
 9. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
 
@@ -24,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+
+import grpo  # the common-prefix scan, shared with the log-prob passes
 
 # ---------------------------------------------------------------------------------------------
 # 1. The policy model
@@ -228,6 +229,14 @@ def read_prompt_file(path: str | None, default: str) -> str:
     return text
 
 
+def read_prompts(agent: str = "memsearcher", system_prompt: str | None = None,
+                 memory_instruction: str | None = None) -> dict:
+    """A run's prompt texts, `RolloutSettings`' fields: ours, or each read from the file named."""
+    default = REACT_SYSTEM_PROMPT if agent == "react" else SYSTEM_PROMPT
+    return {"system_prompt": read_prompt_file(system_prompt, default),
+            "memory_instruction": read_prompt_file(memory_instruction, MEMORY_INSTRUCTION)}
+
+
 def memsearcher_prompt(question: str, memory: str, system_prompt: str = SYSTEM_PROMPT) -> str:
     """Turn i's whole context: system + user(question, memory) + assistant header + `<think>`."""
     user = f"<question> {question} </question>\n\n<memory> {memory} </memory>"
@@ -427,6 +436,26 @@ class Trajectory:
         return bool(self.end_reason)
 
 
+@dataclass
+class RolloutSettings:
+    """How `rollout` runs. The defaults are the paper's training rollout (5 turns, 512 new tokens,
+    memory cap 1024, T = 1.0, top-p 0.99, top-k 10000); the release's evaluation loop is
+    greedy=True, evaluation=True, max_turns=20, max_memory_tokens=None (evaluate.py's defaults)."""
+    agent: str = "memsearcher"  # or "react": the baseline, one growing conversation
+    max_turns: int = 5
+    max_new_tokens: int = 512  # per generation
+    max_memory_tokens: int | None = 1024  # a longer memory ends the trajectory (None: no cap)
+    max_response_tokens: int = 8192  # a conversation's response part is cut here and the trajectory ends
+    temperature: float = 1.0
+    top_p: float = 0.99
+    top_k: int = 10000
+    greedy: bool = False
+    evaluation: bool = False  # the release's evaluation loop: an unusable memory becomes empty, and so on
+    default_top_n: int = DEFAULT_TOP_N  # passages for a tool call without top_n
+    system_prompt: str | None = None  # None: ours (`read_prompts` reads the release's from files)
+    memory_instruction: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. Batched generation with HF `generate` (KV cache), recording each sampled token's log-prob
 # ---------------------------------------------------------------------------------------------
@@ -471,9 +500,6 @@ def make_recorder(temperature: float):
     return RecordLogprobs()
 
 
-PREFILLED_TOKENS = [0]  # token positions prefilled by generate calls (padding included), for bench/rollout.py
-
-
 def left_pad(rows: list[list[int]], pad: int, device):
     width = max(map(len, rows))
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
@@ -500,7 +526,6 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
 
     pad = tokenizer.pad_token_id
     width = input_ids.shape[1]
-    PREFILLED_TOKENS[0] += input_ids.shape[0] * (width - (cache.get_seq_length() if cache is not None else 0))
     temperature = 1.0 if greedy else temperature
     recorder = make_recorder(temperature)
     stop = stop_token_ids(tokenizer)
@@ -512,7 +537,7 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
     model.eval()
     try:
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=[recorder], **({_cache_kwarg(): cache} if cache is not None else {}))
+                             logits_processor=[recorder], **({"cache": cache} if cache is not None else {}))
     finally:
         model.train(was_training)
     new = out.sequences[:, width:]
@@ -526,97 +551,58 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
     return results, out.sequences, getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
 
-def _cache_kwarg() -> str:
-    """transformers 5 names generate's cache argument `cache`, earlier versions `past_key_values`."""
-    import transformers
-
-    return "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
-
-
 # ---------------------------------------------------------------------------------------------
 # 7. Rollouts: every active trajectory advances one phase per `generate` call
 # ---------------------------------------------------------------------------------------------
-def rollout(model, tokenizer, questions: list[dict], search, *, agent: str = "memsearcher", group_size: int = 1,
-            max_turns: int = 5, max_new_tokens: int = 512, max_memory_tokens: int | None = 1024,
-            max_response_tokens: int = 8192, temperature: float = 1.0, top_p: float = 0.99, top_k: int = 10000,
-            greedy: bool = False, evaluation: bool = False, default_top_n: int = DEFAULT_TOP_N,
-            system_prompt: str | None = None, memory_instruction: str | None = None,
-            generate_fn=None) -> list[Trajectory]:
+def rollout(model, tokenizer, questions: list[dict], search, settings: RolloutSettings | None = None, *,
+            group_size: int = 1, generate_fn=None) -> list[Trajectory]:
     """Roll out `group_size` trajectories per question ({"id", "question", "golden_answers"}).
 
-    Training (the paper's defaults: 5 turns, 512 new tokens, memory cap 1024, T=1.0, top-p 0.99,
-    top-k 10000) ends a trajectory on: an answer or a generation without a tool call, an illegal
-    stop at `<|im_start|>`, a generation cut by the token limit, a missing/empty/oversized memory,
-    a conversation whose response part exceeds `max_response_tokens` (truncated to it).
-    `evaluation=True` is the release's evaluation loop (use with greedy=True, max_turns=20,
-    max_memory_tokens=None): an invalid memory resets it to empty and the loop goes on, and a
-    generation cut by the token limit still has its tool calls run.
+    Training (`RolloutSettings()`) ends a trajectory on: an answer or a generation without a tool
+    call, an illegal stop at `<|im_start|>`, a generation cut by the token limit, a missing, empty or
+    oversized memory, a conversation whose response part exceeds `max_response_tokens` (truncated to
+    it). In evaluation (as released) an invalid memory resets it to empty and the loop goes on, and
+    a generation cut by the token limit still has its tool calls run.
     The prediction is the last boxed answer of the last assistant message (in evaluation, after
     removing `<think>...</think>`). `generate_fn(model, tokenizer, prompts, **sampling)` is
     swappable so tests and the oracle can script outputs; by default a fresh `CachedGenerate`
     (`generate` gives the same results, prefilling every prompt whole).
     """
-    if agent not in ("memsearcher", "react"):
-        raise ValueError(f"agent must be 'memsearcher' or 'react', not {agent!r}")
-    trajectories = [start_trajectory(q, agent, max_turns) for q in questions for _ in range(group_size)]
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+    s = settings or RolloutSettings()
+    if s.agent not in ("memsearcher", "react"):
+        raise ValueError(f"agent must be 'memsearcher' or 'react', not {s.agent!r}")
+    trajectories = [Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
+                    for q in questions for _ in range(group_size)]
+    sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
     generate_fn = generate_fn or CachedGenerate()  # the speedup of `generate` (section 9)
     gen = lambda prompts: generate_fn(model, tokenizer, prompts, **sampling)  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 -- for logs and reward only
     illegal = tokenizer.convert_tokens_to_ids(START_OF_TURN)
-    instruction = (memory_instruction or MEMORY_INSTRUCTION) if agent == "memsearcher" else None
-    if agent == "react":  # one growing conversation
+    instruction = (s.memory_instruction or MEMORY_INSTRUCTION) if s.agent == "memsearcher" else None
+    if s.agent == "react":  # one growing conversation
         for t in trajectories:
-            t.conversations.append(Conversation(encode(tokenizer, react_prompt(t.question, system_prompt or REACT_SYSTEM_PROMPT))))
+            t.conversations.append(Conversation(encode(tokenizer, react_prompt(t.question, s.system_prompt or REACT_SYSTEM_PROMPT))))
 
-    for _ in range(max_turns):
-        active = [t for t in trajectories if not t.done and t.num_turns < max_turns]
+    for _ in range(s.max_turns):
+        active = [t for t in trajectories if not t.done]
         if not active:
             break
-        if agent == "memsearcher":  # each turn a fresh context holding only (question, memory)
+        if s.agent == "memsearcher":  # each turn a fresh context holding only (question, memory)
             for t in active:
-                prompt = memsearcher_prompt(t.question, t.memory, system_prompt or SYSTEM_PROMPT)
+                prompt = memsearcher_prompt(t.question, t.memory, s.system_prompt or SYSTEM_PROMPT)
                 t.conversations.append(Conversation(encode(tokenizer, prompt)))
         # Phase 1: reason, then answer or call the search tool.
-        searching = reason_and_act(active, gen, decode, illegal, evaluation, default_top_n)
-        updating = run_searches(searching, search, tokenizer, instruction, max_response_tokens)
+        searching = reason_and_act(active, gen, decode, illegal, s.evaluation, s.default_top_n)
+        updating = run_searches(searching, search, tokenizer, instruction, s.max_response_tokens)
         # Phase 2 (MemSearcher): read the results and rewrite the memory.
-        if agent == "memsearcher" and updating:
-            update_memories(updating, gen, decode, tokenizer, illegal, evaluation, max_memory_tokens)
+        if s.agent == "memsearcher" and updating:
+            update_memories(updating, gen, decode, tokenizer, illegal, s.evaluation, s.max_memory_tokens)
         for t in active:
             t.context_tokens.append(len(t.conversations[-1]))
     end_of_turn = set(end_of_turn_ids(tokenizer))
     for t in trajectories:
-        score(t, decode, end_of_turn, evaluation)
+        score(t, decode, end_of_turn, s.evaluation)
     return trajectories
-
-
-def start_trajectory(q: dict, agent: str, max_turns: int) -> Trajectory:
-    """A fresh trajectory for question row q, or, if q has a "state" (state_after's), one that
-    continues from it: its memory, and the earlier turns' log and counts (not their conversations,
-    which belong to the trajectory the state was taken from)."""
-    t = Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
-    state = q.get("state")
-    if state:
-        if agent != "memsearcher" or not 0 < len(state["turns"]) < max_turns:
-            raise ValueError(f"question {t.qid}: a start state needs agent='memsearcher' and 0 < its turns "
-                             f"({len(state['turns'])}) < max_turns ({max_turns})")
-        t.memory, t.num_searches = state["memory"], state["num_searches"]
-        t.turns, t.context_tokens = copy.deepcopy(state["turns"]), list(state["context_tokens"])
-        t.num_turns = len(t.turns)
-    return t
-
-
-def state_after(t: Trajectory, turn: int) -> dict:
-    """MemSearcher's state after t's first `turn` turns: the memory it wrote then (its context
-    next turn is just the question and this memory), with the log and counts of those turns.
-    Put in a question row as "state", rollout samples continuations from exactly this state.
-    t must have gone on past that turn (t.num_turns > turn), so that memory was valid."""
-    if not 0 < turn < t.num_turns:
-        raise ValueError(f"trajectory {t.qid} has {t.num_turns} turns: it has no state after turn {turn} to continue from")
-    turns = t.turns[:turn]
-    return {"memory": turns[-1]["memory"] or "", "turns": copy.deepcopy(turns),
-            "num_searches": sum(len(x.get("queries", ())) for x in turns), "context_tokens": t.context_tokens[:turn]}
 
 
 def reason_and_act(active, gen, decode, illegal, evaluation, default_top_n):
@@ -742,11 +728,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model)
     search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format)
-    default_prompt = REACT_SYSTEM_PROMPT if args.agent == "react" else SYSTEM_PROMPT
-    (t,) = rollout(model, tokenizer, [{"id": "0", "question": args.question, "golden_answers": args.answers}], search,
-                   agent=args.agent, max_turns=args.max_turns, greedy=not args.sample, evaluation=True,
-                   max_memory_tokens=None, system_prompt=read_prompt_file(args.system_prompt, default_prompt),
-                   memory_instruction=read_prompt_file(args.memory_instruction, MEMORY_INSTRUCTION))
+    settings = RolloutSettings(agent=args.agent, max_turns=args.max_turns, greedy=not args.sample, evaluation=True,
+                               max_memory_tokens=None, **read_prompts(args.agent, args.system_prompt, args.memory_instruction))
+    (t,) = rollout(model, tokenizer, [{"id": "0", "question": args.question, "golden_answers": args.answers}], search, settings)
     color = sys.stdout.isatty()
     for k, c in enumerate(t.conversations, 1):
         print(f"\n===== conversation {k} ({len(c)} tokens in context; dimmed/⟦⟧ = not trained) =====")
@@ -804,6 +788,7 @@ class CachedGenerate:
     def __init__(self):
         self.tokens, self.sequences, self.mask, self.cache = [], None, None, None  # the previous call's rows
         self.prefix_ids, self.prefix = [], None  # the shared prefix and its KV cache, batch 1
+        self.prefilled = 0  # token positions prefilled so far, padding included (bench/rollout.py)
 
     @torch.no_grad()
     def __call__(self, model, tokenizer, prompts, **sampling):
@@ -830,6 +815,7 @@ class CachedGenerate:
             if p:  # every row starts from the prefix's keys and values
                 cache = copy.deepcopy(self.prefix)
                 cache.batch_repeat_interleave(len(prompts))
+        self.prefilled += ids.shape[0] * (ids.shape[1] - (cache.get_seq_length() if cache is not None else 0))
         results, self.sequences, self.cache = _generate(model, tokenizer, ids, mask, cache, **sampling)
         made = self.sequences.shape[1] - ids.shape[1]
         made_mask = torch.tensor([[1] * len(r.ids) + [0] * (made - len(r.ids)) for r in results], device=device)
@@ -852,12 +838,11 @@ class CachedGenerate:
         n = len(self.prefix_ids)
         if n and all(q[:n] == self.prefix_ids and len(q) > n for q in prompts):
             return n
-        n = min(map(len, prompts)) - 1
-        n = next((k for k in range(n) if any(q[k] != prompts[0][k] for q in prompts)), max(n, 0))
+        n = grpo.common_prefix(prompts)
         if n < 2:
             return 0
         self.prefix_ids = prompts[0][:n]
-        PREFILLED_TOKENS[0] += n
+        self.prefilled += n
         was_training = model.training
         model.eval()
         try:

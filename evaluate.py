@@ -25,7 +25,6 @@ into predictions.jsonl at the end; a rerun into the same folder skips finished q
 """
 import argparse
 import glob
-import importlib.util
 import itertools
 import json
 import os
@@ -43,6 +42,7 @@ from tqdm import tqdm
 import agent
 import retriever
 from toy.oracle import evidence_share
+from tools import runs
 from data.questions import load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -174,36 +174,21 @@ def finished(output_dir: str, run: dict, warn: bool = True) -> dict:
     return done
 
 
-def peak_memory(device, reset: bool = False) -> int | None:
-    """Bytes since the last reset: max allocated on a GPU, else the process's peak RSS (Linux)."""
-    if device.type == "cuda":
-        return torch.cuda.reset_peak_memory_stats(device) if reset else torch.cuda.max_memory_allocated(device)
-    try:
-        if reset:  # writing 5 to clear_refs resets VmHWM
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return None
-        with open("/proc/self/status") as f:
-            return int(f.read().split("VmHWM:")[1].split()[0]) * 1024
-    except (OSError, IndexError):
-        return None
-
-
-def evaluate_shard(model, tokenizer, search, questions, args, run, path, device, generate_fn, show_progress):
+def evaluate_shard(model, tokenizer, search, questions, args, run, path, generate_fn, show_progress):
     """Greedy rollouts in chunks of --batch_size questions of one dataset, each finished chunk
     appended to `path` and flushed: an interruption loses at most one chunk."""
     groups = [list(g) for _, g in itertools.groupby(questions, key=lambda q: q["dataset"])]
     chunks = [g[i:i + args.batch_size] for g in groups for i in range(0, len(g), args.batch_size)]
+    settings = agent.RolloutSettings(
+        agent=args.agent, greedy=True, evaluation=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+        max_memory_tokens=args.max_memory_tokens, max_response_tokens=args.max_response_tokens,
+        default_top_n=args.default_top_n, system_prompt=run["system_prompt"], memory_instruction=run["memory_instruction"])
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(questions), disable=not show_progress, desc="questions") as bar:
         for chunk in chunks:
-            peak_memory(device, reset=True)
+            runs.peak_memory(reset=True)
             t0 = time.time()
-            trajectories = agent.rollout(
-                model, tokenizer, chunk, search, agent=args.agent, group_size=1, greedy=True, evaluation=True,
-                max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_memory_tokens=args.max_memory_tokens,
-                max_response_tokens=args.max_response_tokens, default_top_n=args.default_top_n,
-                system_prompt=args.system_prompt_text, memory_instruction=args.memory_instruction_text, generate_fn=generate_fn)
-            seconds, peak = (time.time() - t0) / len(chunk), peak_memory(device)
+            trajectories = agent.rollout(model, tokenizer, chunk, search, settings, generate_fn=generate_fn)
+            seconds, peak = (time.time() - t0) / len(chunk), runs.peak_memory()
             f.writelines(json.dumps(record(q, t, seconds, peak, run), ensure_ascii=False) + "\n"
                          for q, t in zip(chunk, trajectories))
             f.flush()
@@ -420,9 +405,7 @@ def write_reports(output_dir: str, results: dict):
 
 def html_report(output_dir: str):
     """report.html: every question's trajectory, turn by turn, as one page (tools/report.py)."""
-    spec = importlib.util.spec_from_file_location("report", os.path.join(HERE, "tools", "report.py"))
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    from tools import report
     try:
         path = report.main([output_dir, "-o", os.path.join(output_dir, "report.html")])
     except (Exception, SystemExit) as e:  # the results are saved already: say so, and go on
@@ -473,13 +456,11 @@ def main(argv=None, generate_fn=None):
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     datasets = load_datasets(args.data, args.limit, args.seed)  # a bad row fails here, before any model loads
     questions = [q for qs in datasets.values() for q in qs]
-    default_prompt = agent.REACT_SYSTEM_PROMPT if args.agent == "react" else agent.SYSTEM_PROMPT
-    args.system_prompt_text = agent.read_prompt_file(args.system_prompt, default_prompt)
-    args.memory_instruction_text = agent.read_prompt_file(args.memory_instruction, agent.MEMORY_INSTRUCTION)
+    prompts = agent.read_prompts(args.agent, args.system_prompt, args.memory_instruction)
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     run = {"agent": args.agent, "model": args.model, "dtype": dtype, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
            "max_memory_tokens": args.max_memory_tokens, "doc_format": args.doc_format, "default_top_n": args.default_top_n,
-           "system_prompt": args.system_prompt_text, "memory_instruction": args.memory_instruction_text,
+           **prompts,
            "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
     os.makedirs(args.output_dir, exist_ok=True)
     done = finished(args.output_dir, run, warn=accelerator.is_main_process)
@@ -489,16 +470,14 @@ def main(argv=None, generate_fn=None):
                       f"{len(questions) - todo} already in {args.output_dir}; {todo} to go on {world} process(es)")
     set_seed(args.seed)
     with accelerator.main_process_first():  # also: every rank has read the old files before any writes
-        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format,
-                                          timeout=args.retriever_timeout, retries=args.retriever_retries,
-                                          device=device if device.type == "cuda" else "cpu") if mine else None
-    if mine and args.retriever_url:  # fail fast if the server is not there
-        search.search(["ping"], 1)
+        search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, check=True,
+                                          doc_format=args.doc_format, timeout=args.retriever_timeout,
+                                          retries=args.retriever_retries, device=device) if mine else None
     t0 = time.time()
     if mine:
         model, tokenizer = agent.load_model(args.model, dtype=getattr(torch, dtype), device=device)
         path = os.path.join(args.output_dir, f"predictions.rank{rank}-{uuid.uuid4().hex[:8]}.jsonl")
-        evaluate_shard(model, tokenizer, search, mine, args, run, path, device, generate_fn, accelerator.is_main_process)
+        evaluate_shard(model, tokenizer, search, mine, args, run, path, generate_fn, accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None

@@ -24,7 +24,6 @@ class of transformers for the shared prefix).
 from __future__ import annotations
 
 import collections
-import inspect
 from contextlib import contextmanager
 
 import torch
@@ -114,7 +113,7 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float = 1.0, *
         p = prefix[0][0].shape[-2]
         attention_mask = torch.cat([attention_mask.new_ones(B, p), attention_mask], 1)
         position_ids = position_ids + p
-        extra[_cache_kwarg(model)] = prefix_cache(prefix, B)
+        extra["cache"] = prefix_cache(prefix, B)
         flags = {"_can_checkpoint_with_cache": True}  # the cache is read-only: a recompute reads the same states
     with _layer_flags(model, **flags):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -147,34 +146,35 @@ def pad_batch(conversations, pad_id, device, fields=(), skip=0):
     return ids.to(device), attn.to(device), response_start, {k: v.to(device) for k, v in out.items()}
 
 
-ENCODED_TOKENS = [0]  # token positions run through a model by the log-prob passes (padding and prefixes included)
-
-
-def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefixes=None):
+def micro_logprobs(model, micro, pad_id, device, fields, temperature, return_entropy=False, prefixes=None, counter=None):
     """token_logprobs of one micro-batch of conversations (`pad_batch`), and its padded `fields`.
     `prefixes` ({} or None: none) are the states `encode_prefixes` made for the pass: the rows then
-    skip the longest one they all start with and attend to its states instead."""
+    skip the longest one they all start with and attend to its states instead. `counter` (a
+    collections.Counter, optional) adds the token positions run, padding included, to "encoded_tokens"."""
     p, states = prefix_for(prefixes or {}, micro)
     ids, attn, start, f = pad_batch(micro, pad_id, device, fields, skip=p)
-    ENCODED_TOKENS[0] += ids.numel()
+    if counter is not None:
+        counter["encoded_tokens"] += ids.numel()
     out = token_logprobs(model, ids, attn, temperature, response_start=start, return_entropy=return_entropy,
                          prefix=states if p else None)
     return out, f
 
 
 @torch.no_grad()
-def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False):
+def response_logprobs(model, conversations, pad_id, device, micro_batch_size, temperature, shared_prefix=False, counter=None):
     """Per-conversation log-probs of the response tokens (a list of 1-D CPU tensors, in the given
     order). Micro-batches go by length, so they carry little padding; with `shared_prefix`, the
-    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`)."""
+    prefixes the conversations share are encoded once for the whole pass (`encode_prefixes`).
+    `counter`: as in `micro_logprobs`."""
     was_training = model.training
     model.eval()
     order = sorted(range(len(conversations)), key=lambda k: len(conversations[k].prompt_ids) + len(conversations[k].response_ids))
     chunks = [[conversations[k] for k in order[s:s + micro_batch_size]] for s in range(0, len(order), micro_batch_size)]
-    prefixes, _ = encode_prefixes(model, chunks, common_prefix(conversations) if shared_prefix and conversations else None)
+    p = common_prefix([c.prompt_ids for c in conversations]) if shared_prefix and conversations else None
+    prefixes, _ = encode_prefixes(model, chunks, p, counter=counter)
     result = [None] * len(conversations)
     for s, chunk in zip(range(0, len(order), micro_batch_size), chunks):
-        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature, prefixes=prefixes)
+        lp, _ = micro_logprobs(model, chunk, pad_id, device, (), temperature, prefixes=prefixes, counter=counter)
         lp = lp.float().cpu()
         for k, (i, c) in zip(order[s:s + micro_batch_size], enumerate(chunk)):
             result[k] = lp[i, lp.shape[1] - len(c.response_ids):]
@@ -323,16 +323,15 @@ def _row_chunks(logits: torch.Tensor):
 # ---------------------------------------------------------------------------------------------
 # 6. Speedup (exact): a shared prefix encoded once (Prefix Grouper, arXiv 2506.05433)
 # ---------------------------------------------------------------------------------------------
-def common_prefix(conversations) -> int:
-    """How many leading prompt tokens all `conversations` share (every MemSearcher conversation: at
-    least the system prompt), kept one short of the shortest prompt so that each row scores its
-    first response token from a token of its own."""
-    prompts = [c.prompt_ids for c in conversations]
+def common_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens all `prompts` share (every MemSearcher conversation's: at least the
+    system prompt), kept one short of the shortest prompt so that each row scores its first
+    response token from a token of its own (and a generation starts from a token of its own)."""
     n = min(map(len, prompts)) - 1
     return next((k for k in range(n) if any(p[k] != prompts[0][k] for p in prompts)), max(n, 0))
 
 
-def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
+def encode_prefixes(model, micro_batches, p, first_model=None, counter=None):
     """Speedup of encoding the prompt tokens that conversations share in every row that has them.
     Plain, every micro-batch runs its rows' whole prompts, the system prompt in each row:
 
@@ -346,7 +345,7 @@ def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
     prompt: system, question, empty memory) is encoded too, less its last token, continued from
     the first, under its tuple of ids. Also returns the sum of the passes' last logits; ({}, 0.0)
     when p is None (off). `first_model`: the module the first pass goes through (default
-    `model`); `count`: add the tokens to ENCODED_TOKENS. Proven equal to the plain passes, values
+    `model`); `counter`: as in `micro_logprobs`. Proven equal to the plain passes, values
     and gradients: tests/test_grpo.py::test_shared_prefix_equals_plain_forward and
     ::test_response_logprobs_with_shared_prefixes_equal_plain, and for a whole optimizer update
     tests/test_train.py::test_shared_prefix_update_equals_plain.
@@ -367,7 +366,8 @@ def encode_prefixes(model, micro_batches, p, first_model=None, count=True):
         states, last = prefix_states(first_model if first_model and not i else model, ids, return_logits=True,
                                      past=prefixes[()][1] if key and p else None)
         prefixes[key], logits = (len(key) - 1 if key else p, states), logits + last.float().sum()
-    ENCODED_TOKENS[0] += sum(len(ids) for _, ids in passes) if count else 0
+    if counter is not None:
+        counter["encoded_tokens"] += sum(len(ids) for _, ids in passes)
     return prefixes, logits
 
 
@@ -393,7 +393,7 @@ def prefix_states(model, prefix_ids, past=None, return_logits=False):
     short batch-1 pass (a checkpointed layer drops the cache it would write)."""
     ids = torch.as_tensor(prefix_ids, device=_device(model)).view(1, -1)
     start = past[0][0].shape[-2] if past else 0
-    extra = {_cache_kwarg(model): prefix_cache(past, 1, writable=True),
+    extra = {"cache": prefix_cache(past, 1, writable=True),
              "position_ids": torch.arange(start, start + ids.shape[1], device=ids.device)[None]} if past else {}
     with _layer_flags(model, gradient_checkpointing=False):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
@@ -437,10 +437,3 @@ def _layer_flags(model, **flags):
 
 def _device(model):
     return next(model.parameters()).device
-
-
-def _cache_kwarg(model) -> str:
-    """transformers 5 calls the model's cache argument `cache`, earlier versions `past_key_values`."""
-    inner = getattr(model, "module", model)  # DDP
-    forward = (inner.get_base_model() if hasattr(inner, "get_base_model") else inner).forward  # a LoRA (peft) model's base
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"

@@ -326,13 +326,20 @@ def cache_is_fresh(index_path: str, corpus: Corpus, encoder_name: str) -> bool:
 
 def open_retriever(corpus: str | None = None, index: str | None = None, encoder: str | None = None,
                    url: str | None = None, device=None, doc_format: str = "search-r1", api: str | None = None,
-                   mmap: bool = True, timeout: float = 300.0, retries: int = 5):
+                   mmap: bool = True, timeout: float = 300.0, retries: int = 5, check: bool = False):
     """The search tool for a run: a `RemoteRetriever` when `url` is given (`api`, `timeout` and
-    `retries` as there), else a local index. Without an index path the index is cached beside the
-    corpus and built on first use; an existing index file is memory-mapped unless `mmap=False`
-    (see read_index)."""
+    `retries` as there; with `check`, one search at once, so a server that is not there stops the
+    run with a clear error before anything large loads), else a local index. Without an index path
+    the index is cached beside the corpus and built on first use; an existing index file is
+    memory-mapped unless `mmap=False` (see read_index)."""
     if url:
-        return RemoteRetriever(url, timeout=timeout, api=api, doc_format=doc_format, retries=retries)
+        client = RemoteRetriever(url, timeout=timeout, api=api, doc_format=doc_format, retries=retries)
+        if check:
+            try:
+                client.search(["ping"], 1)
+            except ConnectionError as e:
+                raise SystemExit(f"--retriever_url: {e}") from None
+        return client
     encoder_name = encoder or "default"
     corp = Corpus(corpus or DEFAULT_CORPUS)
     enc = Encoder(encoder_name, device=device)

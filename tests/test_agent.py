@@ -45,9 +45,10 @@ def search_then_answer(prompt):
     return "<memory>Velmora Quint was born in Osk.</memory>"
 
 
-def run(tokenizer, policy, questions=(Q,), finished=True, **kw):
+def run(tokenizer, policy, questions=(Q,), finished=True, group_size=1, **settings):
     search = FakeSearch()
-    trajectories = agent.rollout(None, tokenizer, list(questions), search, generate_fn=scripted(policy, finished), **kw)
+    trajectories = agent.rollout(None, tokenizer, list(questions), search, agent.RolloutSettings(**settings),
+                                 group_size=group_size, generate_fn=scripted(policy, finished))
     return trajectories, search
 
 
@@ -201,7 +202,7 @@ def test_illegal_stop_at_im_start_ends_the_trajectory(tokenizer):
         return [Generation(ids=ids, logprobs=[-1.0] * len(ids), finished=True) for _ in prompts]
 
     for kw in ({}, EVAL):
-        (t,) = agent.rollout(None, tokenizer, [Q], FakeSearch(), generate_fn=generate_fn, **kw)
+        (t,) = agent.rollout(None, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(**kw), generate_fn=generate_fn)
         c = t.conversations[0]
         assert (t.end_reason, t.reward) == ("illegal_stop", 0.0)  # not ended by the end-of-turn token
         assert c.response_ids[-1] == im_start and c.loss_mask[-1] == 1  # kept, and trained
@@ -266,45 +267,6 @@ def test_memsearcher_context_stays_flat_while_react_grows(tokenizer):
     assert r.context_tokens[-1] > 2 * m.context_tokens[-1]
     c = r.conversations[0]  # ReAct: all generations trained, all tool turns masked, in one conversation
     assert sum(c.loss_mask) == 8 * len(agent.encode(tokenizer, "Not yet.\n</think>\n" + CALL + "<|im_end|>"))
-
-
-def search_twice_then_answer(prompt):
-    """Its memory counts its searches; with two done it answers."""
-    done = int((re.findall(r"searched (\d+)", prompt) or ["0"])[-1])  # from the memory in the prompt
-    if prompt.endswith("<think>"):
-        return " Enough.</think>\n\\boxed{Osk}" if done == 2 else " Again.</think>\n" + CALL
-    return f"<memory>Velmora Quint: searched {done + 1}</memory>"
-
-
-def test_a_rollout_continues_exactly_from_a_state_after_turn_k(tokenizer):
-    """A MemSearcher state is (question, memory): G continuations from a trajectory's state after
-    turn 1 redo, under the same deterministic policy, exactly its turns 2 and 3 (prompts, tokens,
-    masks, searches, reward), and keep turn 1's log without its conversation."""
-    (parent,), _ = run(tokenizer, search_twice_then_answer, max_turns=4)
-    assert (parent.num_turns, parent.num_searches, parent.prediction) == (3, 2, "Osk")
-    state = agent.state_after(parent, 1)
-    assert state["memory"] == "Velmora Quint: searched 1" and state["num_searches"] == 1
-    continued, search = run(tokenizer, search_twice_then_answer, questions=[{**Q, "id": "q1@1", "state": state}],
-                            group_size=2, max_turns=4)
-    assert search.calls == [(["Velmora Quint", "Velmora Quint"], [5, 5])]  # the second search only, once each
-    for t in continued:
-        assert t.qid == "q1@1" and len(t.conversations) == 2
-        for x, y in zip(t.conversations, parent.conversations[1:]):
-            assert (x.prompt_ids, x.response_ids, x.loss_mask, x.logprobs) == (y.prompt_ids, y.response_ids, y.loss_mask, y.logprobs)
-        assert (t.num_turns, t.num_searches, t.prediction, t.reward, t.end_reason) == (3, 2, "Osk", 1.0, "answer")
-        assert t.turns == parent.turns and t.context_tokens == parent.context_tokens
-    assert state["turns"] == parent.turns[:1]  # the continuations copied it, not shared it
-    # turn 2 is the last that may be continued from here (max_turns 3 leaves no turn after 3)
-    (short,), _ = run(tokenizer, search_twice_then_answer, questions=[{**Q, "state": agent.state_after(parent, 2)}],
-                      max_turns=3)
-    assert (short.num_turns, short.prediction, len(short.conversations)) == (3, "Osk", 1)
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match="no state after turn"):
-            agent.state_after(parent, bad)
-    with pytest.raises(ValueError, match="start state needs"):
-        run(tokenizer, search_twice_then_answer, questions=[{**Q, "state": state}], agent="react")
-    with pytest.raises(ValueError, match="start state needs"):
-        run(tokenizer, search_twice_then_answer, questions=[{**Q, "state": agent.state_after(parent, 2)}], max_turns=2)
 
 
 def test_react_context_overflow(tokenizer):
@@ -373,8 +335,9 @@ def test_parity_across_masked_tool_turn(tiny_lm, tokenizer):
             return scripted(lambda p: "</think>\n" + CALL)(model, tok, prompts)
         return agent.generate(model, tok, prompts, **kw)
 
-    trajectories = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), group_size=3, max_turns=1, max_new_tokens=16,
-                                 temperature=0.8, generate_fn=gen_fn)
+    trajectories = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(),
+                                 agent.RolloutSettings(max_turns=1, max_new_tokens=16, temperature=0.8), group_size=3,
+                                 generate_fn=gen_fn)
     convs = [t.conversations[0] for t in trajectories]
     for c, forward in zip(convs, model_logprobs(tiny_lm, convs, 0.8)):
         gen2 = [i for i in range(len(c.loss_mask)) if c.loss_mask[i] and i > c.loss_mask.index(0)]
@@ -384,8 +347,8 @@ def test_parity_across_masked_tool_turn(tiny_lm, tokenizer):
 
 def test_greedy_rollout_with_real_model_is_deterministic(tiny_lm, tokenizer):
     kw = dict(greedy=True, max_turns=2, max_new_tokens=8, **EVAL)
-    a = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), **kw)
-    b = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), **kw)
+    a = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(**kw))
+    b = agent.rollout(tiny_lm, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(**kw))
     assert a[0].conversations[0].response_ids == b[0].conversations[0].response_ids
     assert a[0].end_reason in ("length", "no_answer", "answer", "illegal_stop", "max_turns")
 
@@ -403,22 +366,21 @@ def test_cached_generate_equals_generate_across_a_tool_response(tiny_lm, tokeniz
     prompts = [agent.encode(tokenizer, agent.memsearcher_prompt(q, m)) for q, m in PARITY_PROMPTS]
     cached = agent.CachedGenerate()
     kw = dict(max_new_tokens=24, greedy=True)
-    before = agent.PREFILLED_TOKENS[0]
     first = cached(model, tokenizer, prompts, **kw)
     system = len(agent.encode(tokenizer, agent.chatml("system", agent.SYSTEM_PROMPT)))
     assert len(cached.prefix_ids) >= system  # the shared prefix: at least the system prompt, prefilled once
-    assert agent.PREFILLED_TOKENS[0] - before < sum(map(len, prompts)) - system
+    assert cached.prefilled < sum(map(len, prompts)) - system
     reference = agent.generate(model, tokenizer, prompts, **kw)
     assert len({len(o.ids) for o in first}) > 1 and {o.finished for o in first} == {True, False}
     tools = [[], ["a short result"], ["a much longer result " * 5, "and a second call"]]
     follow = [p + o.ids + agent.encode(tokenizer, agent.tool_response_turn([{"body": "{}"}] * len(t), t, agent.MEMORY_INSTRUCTION))
               for p, o, t in zip(prompts, first, tools)]
-    before = agent.PREFILLED_TOKENS[0]
+    before = cached.prefilled
     second = cached(model, tokenizer, follow[::-1], **kw)[::-1]  # rows may come back in any order
     new_tokens = [len(f) - len(p) - len(o.ids) for f, p, o in zip(follow, prompts, first)]
     widest = max(len(p) + len(o.ids) for p, o in zip(prompts, first))  # the longest row, pads squeezed out
     assert cached.cache.get_seq_length() < widest + max(new_tokens) + 24
-    assert agent.PREFILLED_TOKENS[0] - before <= len(follow) * (max(new_tokens) + 1)
+    assert cached.prefilled - before <= len(follow) * (max(new_tokens) + 1)
     for ours, theirs in ((first, reference), (second, agent.generate(model, tokenizer, follow, **kw))):
         for a, b in zip(ours, theirs):
             assert a.ids == b.ids and a.finished == b.finished
@@ -493,14 +455,20 @@ def test_rollout_with_cached_generate_equals_stateless(tiny_lm, tokenizer, monke
     import copy
     tiny_lm = copy.deepcopy(tiny_lm).to(device) if device != "cpu" else tiny_lm
     questions = [Q, {"id": "q2", "question": "Which river flows through the town of Osk?", "golden_answers": ["x"]}]
-    runs, prefilled = [], []
-    for generate_fn in (agent.generate, None):
+    plain_prefill = []  # the stateless generate prefills every prompt whole, left-padded to the longest
+
+    def plain(model, tok, prompts, **sampling):
+        plain_prefill.append(len(prompts) * max(map(len, prompts)))
+        return agent.generate(model, tok, prompts, **sampling)
+
+    cached = agent.CachedGenerate()
+    settings = agent.RolloutSettings(agent=agent_name, max_turns=2, max_new_tokens=64, greedy=True, **EVAL)
+    runs = []
+    for generate_fn in (plain, cached):
         calls = forcing_tool_call(monkeypatch, tokenizer, {0})
-        prefilled.append(-agent.PREFILLED_TOKENS[0])
-        runs.append(agent.rollout(tiny_lm, tokenizer, questions, FakeSearch(), agent=agent_name, group_size=2,
-                                  max_turns=2, max_new_tokens=64, greedy=True, generate_fn=generate_fn, **EVAL))
+        runs.append(agent.rollout(tiny_lm, tokenizer, questions, FakeSearch(), settings, group_size=2, generate_fn=generate_fn))
         assert calls[0] >= 2
-        prefilled[-1] += agent.PREFILLED_TOKENS[0]
+    prefilled = [sum(plain_prefill), cached.prefilled]
     system = len(agent.encode(tokenizer, agent.chatml("system", agent.SYSTEM_PROMPT)))
     assert prefilled[1] < prefilled[0] - 3 * system  # turn 2 continued, not re-prefilled; the prompt prefix once
     for a, b in zip(*runs):

@@ -106,7 +106,7 @@ def test_train_and_test_questions_are_disjoint(world):
 
 @pytest.mark.parametrize("folder", list(WORLDS))
 def test_script_reproduces_committed_files(tmp_path, folder):
-    subprocess.run([sys.executable, str(DATA / "make_toy.py"), "--seed", str(WORLDS[folder]), "--out", str(tmp_path)],
+    subprocess.run([sys.executable, str(ROOT / "toy" / "make_toy.py"), "--seed", str(WORLDS[folder]), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=300)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (DATA / folder / name).read_bytes(), name
@@ -114,9 +114,9 @@ def test_script_reproduces_committed_files(tmp_path, folder):
 
 def test_a_name_without_a_vowel_gets_a_fresh_one_not_a_crash():
     """Seed 2 once crashed: a `like` name with no vowel to vary. Now unique() makes a fresh name."""
-    sys.path.insert(0, str(DATA))
-    import make_toy
     import random
+
+    from toy import make_toy
 
     world = make_toy.World(random.Random(0))
     assert world.variant("Ystryn River") is None
@@ -404,7 +404,8 @@ def test_group_experts_join_their_questions_groups_as_replayable_samples(toy, to
 
     rows = some_rows(toy["train"], per_type=1)
     plain = {"id": "no-chain", "question": "Is it?", "golden_answers": ["yes"]}
-    experts = oracle.group_experts(rows + [plain], fake_search(toy["corpus"]), tokenizer, 2, max_turns=3, seed=0)
+    experts = oracle.group_experts(rows + [plain], fake_search(toy["corpus"]), tokenizer, 2, agent.RolloutSettings(max_turns=3),
+                                   seed=0)
     assert [t.qid for t in experts] == [str(r["id"]) for r in rows for _ in range(2)]
     assert all(t.reward == 1.0 for t in experts)
     for k, expert in enumerate(experts):
@@ -412,7 +413,8 @@ def test_group_experts_join_their_questions_groups_as_replayable_samples(toy, to
 
         def replay(model, tok, prompts, **sampling):
             return [agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True) for ids in (queue.pop(0) for _ in prompts)]
-        (again,) = agent.rollout(None, tokenizer, [rows[k // 2]], fake_search(toy["corpus"]), max_turns=3, generate_fn=replay)
+        (again,) = agent.rollout(None, tokenizer, [rows[k // 2]], fake_search(toy["corpus"]), agent.RolloutSettings(max_turns=3),
+                                 generate_fn=replay)
         assert not queue and again.reward == 1.0
         assert [(c.prompt_ids, c.response_ids, c.loss_mask) for c in again.conversations] == \
                [(c.prompt_ids, c.response_ids, c.loss_mask) for c in expert.conversations]

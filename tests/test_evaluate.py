@@ -443,20 +443,20 @@ def test_a_try_is_reported_paired_against_the_plain_run(tmp_path):
     first, second = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "train.jsonl"))][1900:1902]
     p = lambda row, f1: {"dataset": "validation", "id": row["id"], "f1": f1, "em": f1, "acc": f1, "reward": 1.0, "num_searches": 1,  # noqa: E731
                          "end_reason": "answer", "turns": []}
-    for folder, f1s in (("validation-8", (0.0, 1.0)), ("try-reroll-8", (1.0, 1.0))):
+    for folder, f1s in (("validation-8", (0.0, 1.0)), ("try-warm-8", (1.0, 1.0))):
         (tmp_path / "eval" / "toy" / folder).mkdir(parents=True)
         (tmp_path / "eval" / "toy" / folder / "results.json").write_text("{}")
         (tmp_path / "eval" / "toy" / folder / "predictions.jsonl").write_text(
             "".join(json.dumps(p(row, f1)) + "\n" for row, f1 in zip((first, second), f1s)))
-    for name in ("try-reroll", "try-later"):
+    for name in ("try-warm", "try-later"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "flags.txt").write_text("--reroll_turn 1\n")
-    (tmp_path / "try-reroll" / "metrics.jsonl").write_text(json.dumps({"phase": "grpo", "step": 1, "reward": 0.25}) + "\n")
-    (tmp_path / "try-reroll.log").write_text("a try's log, kept beside its folder, is not a try\n")
-    header, _, later, reroll = worlds.tries(str(tmp_path), 8)
+        (tmp_path / name / "flags.txt").write_text("--kl_coef 0.001\n")
+    (tmp_path / "try-warm" / "metrics.jsonl").write_text(json.dumps({"phase": "grpo", "step": 1, "reward": 0.25}) + "\n")
+    (tmp_path / "try-warm.log").write_text("a try's log, kept beside its folder, is not a try\n")
+    header, _, later, warm = worlds.tries(str(tmp_path), 8)
     assert "paired F1 − plain GRPO" in header and later.startswith("| try-later | not evaluated yet |")
-    cells = [c.strip() for c in reroll.split("|")[1:-1]]
-    assert cells[0] == "try-reroll (`--reroll_turn 1`)" and cells[1] == "1.00" and cells[2].startswith("1.00 [")
+    cells = [c.strip() for c in warm.split("|")[1:-1]]
+    assert cells[0] == "try-warm (`--kl_coef 0.001`)" and cells[1] == "1.00" and cells[2].startswith("1.00 [")
     assert cells[3].startswith("+0.500 [") and cells[-1] == "0.25"  # mean of (1 - 0, 1 - 1)
     assert worlds.tries(str(tmp_path / "nothing"), 8) == []
 

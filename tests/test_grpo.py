@@ -2,6 +2,7 @@
 log-probs, micro-batch gradient accumulation, and a tiny policy that learns with multi-context GRPO."""
 import copy
 import math
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -272,11 +273,10 @@ def test_prefix_states_under_no_grad_serve_several_batches(tiny_llama):
 def test_common_prefix_hand_values():
     from grpo import common_prefix
 
-    c = lambda prompt: SimpleNamespace(prompt_ids=prompt)  # noqa: E731  (a conversation, as far as it reads)
-    assert common_prefix([c([1, 2, 3, 4, 5]), c([1, 2, 3, 9, 9, 9])]) == 3
-    assert common_prefix([c([1, 2, 3]), c([1, 2, 3, 4])]) == 2  # one short of the shortest prompt
-    assert common_prefix([c([7, 2]), c([1, 2])]) == 0
-    assert common_prefix([c([1, 2, 3, 4])]) == 3
+    assert common_prefix([[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9]]) == 3
+    assert common_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # one short of the shortest prompt
+    assert common_prefix([[7, 2], [1, 2]]) == 0
+    assert common_prefix([[1, 2, 3, 4]]) == 3
 
 
 @pytest.mark.parametrize("micro_batch_size", [1, 2, 7])
@@ -293,9 +293,9 @@ def test_response_logprobs_with_shared_prefixes_equal_plain(tiny_llama, micro_ba
                      for p, n in zip(prompts, (4, 5, 6, 7, 8, 4, 5))]
     out = {}
     for shared in (False, True):
-        grpo.ENCODED_TOKENS[0] = 0
-        out[shared] = grpo.response_logprobs(tiny_llama, conversations, 0, "cpu", micro_batch_size, 0.8, shared)
-        out[shared, "tokens"] = grpo.ENCODED_TOKENS[0]
+        counter = Counter()
+        out[shared] = grpo.response_logprobs(tiny_llama, conversations, 0, "cpu", micro_batch_size, 0.8, shared, counter)
+        out[shared, "tokens"] = counter["encoded_tokens"]
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     if micro_batch_size == 1:  # prompts 9 x 5 + 11 x 2, responses 4+5+6+7+8+4+5 = 39

@@ -135,15 +135,12 @@ def test_training_page_groups_side_by_side_and_older_samples(tmp_path):
     samples = [{**base, "member": 0, "oracle": False, "reward": 0.0, "advantage": -0.58, "prediction": "3"},
                {**base, "member": 1, "oracle": False, "reward": 0.0, "advantage": -0.58, "prediction": "4"},
                {**base, "member": 2, "oracle": True, "reward": 1.0, "advantage": 1.15, "prediction": "38,206"},
-               {**base, "group": "b@1", "member": 0, "oracle": False, "reward": 1.0, "advantage": 0.71, "prediction": "38,206"},
-               {**base, "group": "b@1", "member": 1, "oracle": False, "reward": 0.0, "advantage": -0.71, "prediction": "4"},
                {"step": 2, "question": "Old?", "golden_answers": ["a"], "prediction": "a", "reward": 1.0, "end_reason": "answer",
                 "turns": [answer_turn(1, "a")]}]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     text = open(report.main([str(tmp_path), "--corpus", str(tmp_path / "none.jsonl")]), encoding="utf-8").read()
     page = Page(text)
-    assert page.members == 6 and text.count('class="member is-oracle"') == 1
-    assert text.count("re-rolled from one member's memory after turn 1") == 1  # --reroll_turn's group b@1
+    assert page.members == 4 and text.count('class="member is-oracle"') == 1
     assert text.count('class="neg">-0.58') == 2 and 'class="pos">+1.15' in text
     assert "step 1" in page.text and "step 2" in page.text and "Old?" in page.text
 

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 import agent
 import train
+from tools import runs
+from toy import recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
@@ -100,10 +103,10 @@ def test_shared_prefix_update_equals_plain(tiny_lm, micro_batch_size, sharing):
         model = copy.deepcopy(tiny_lm).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         config = types.SimpleNamespace(micro_batch_size=micro_batch_size, shared_prefix=shared, grad_clip=1e9)
-        train.grpo.ENCODED_TOKENS[0] = 0
+        counter = Counter()
         train.optimizer_update(Accelerator(cpu=True), model, optimizer, sorted(conversations, key=len),
-                               conversations[:1], 2, config, (), nll, return_entropy=True)
-        after[shared], encoded[shared] = model.state_dict(), train.grpo.ENCODED_TOKENS[0]
+                               conversations[:1], 2, config, (), nll, return_entropy=True, counter=counter)
+        after[shared], encoded[shared] = model.state_dict(), counter["encoded_tokens"]
     if micro_batch_size == 1:  # (larger micro-batches also encode their padding)
         assert (encoded[False], encoded[True]) == (sum(map(len, conversations)), expected)
     moved = max(float((after[False][k] - v).abs().max()) for k, v in tiny_lm.state_dict().items())
@@ -136,9 +139,7 @@ def test_config_errors_fail_fast(tmp_path):
                          (["--train_data", str(tmp_path / "none.jsonl")], "train_data not found"),
                          (["--warm_start_mix", "1:2"], "warm_start_mix 1:2 .flag.: give three shares"),
                          (["--warm_start_mix", "a:b:c"], "single:bridge:comparison"),
-                         (["--warm_start_mix", "0:0:0"], "not all 0"),
-                         (["--reroll_turn", "3"], "reroll_turn 3 .flag. needs --agent memsearcher and 0 < K < --max_turns 3"),
-                         (["--reroll_turn", "1", "--agent", "react"], "reroll_turn 1 .flag. needs")]:
+                         (["--warm_start_mix", "0:0:0"], "not all 0")]:
         with pytest.raises(SystemExit, match=message):
             train.check_config(train.parse_args(bad), world_size=1)
     with pytest.raises(SystemExit, match="divisible by the 3 processes"):
@@ -153,7 +154,9 @@ def test_help_lists_every_flag_with_both_presets(capsys):
     assert stop.value.code == 0
     text = capsys.readouterr().out
     assert all(f"--{name}" in text for name, *_ in train.HYPERPARAMETERS)
-    assert "(toy: 0; paper: 64)" in text and "update +8%" in text
+    assert {name for name, *_ in recipe.HYPERPARAMETERS} <= {name for name, *_ in train.HYPERPARAMETERS}
+    flat = " ".join(text.split())  # argparse wraps the help
+    assert "(toy: 0; paper: 64)" in flat and "activations in the update to save memory (docs/performance.md)" in flat
 
 
 def test_presets_and_overrides():
@@ -414,7 +417,8 @@ def test_warm_start_lowers_heldout_nll_and_teaches_the_format(tiny_lm_dir, token
     warm = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start").eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval()
     search = retriever.open_retriever(str(demo_world / "corpus.jsonl"), doc_format="release")
-    heldout, stats = oracle.make_demonstrations(oracle.load_rows(demo_world / "heldout.jsonl"), search, tokenizer, max_turns=3)
+    heldout, stats = oracle.make_demonstrations(oracle.load_rows(demo_world / "heldout.jsonl"), search, tokenizer,
+                                                agent.RolloutSettings(max_turns=3))
     assert stats["kept"] == 4  # questions never trained on
     conversations = [c for t in heldout for c in t.conversations]
     (nll_before, acc_before), (nll_after, acc_after) = (demonstration_fit(m, conversations, tokenizer.pad_token_id)
@@ -565,48 +569,6 @@ def test_evidence_credit_in_the_reward(tiny_lm_dir, demo_world, tmp_path, monkey
     assert any(s > 0 for s in shares)  # searching the question's words finds some of its passages
 
 
-def test_rerolled_groups_start_from_one_members_memory(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
-    """--reroll_turn 1: per question, G more trajectories continue from its first member's memory
-    after turn 1, as a group of their own (qid@1) with advantages normalised within it. They train
-    only their own conversations, keep turn 1's documents for the evidence credit, and the step's
-    metrics stay over the questions' own groups."""
-    import scripted_policy
-    monkeypatch.setattr(scripted_policy, "RANK", 1)  # searches twice (turns 1 and 2), answers yes/no at random in turn 3
-    sampled = []
-    rollout = train.agent.rollout
-    monkeypatch.setattr(train.agent, "rollout", lambda *a, **k: sampled.append(rollout(*a, **k)) or sampled[-1])
-    calls = recording_advantages(monkeypatch)
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_steps=0, max_steps=1, batch_size=2, group_size=3,
-                         mini_batch_size=2, max_turns=3, reroll_turn=1, evidence_weight=0.5),
-               generate_fn=scripted_policy.scripted_generate)
-    own, rerolled = sampled
-    qids = list(dict.fromkeys(t.qid for t in own))
-    assert [t.qid for t in rerolled] == [f"{q}@1" for q in qids for _ in range(3)]
-    for t in rerolled:
-        parent = next(p for p in own if p.qid == t.qid[:-2])  # the group's first member
-        assert t.conversations[0].prompt_ids == parent.conversations[1].prompt_ids  # the same state: (question, memory)
-        assert len(t.conversations) == 2 and t.turns[0] == parent.turns[0] and (t.num_turns, t.num_searches) == (3, 2)
-    (rewards, ids, advantages), = calls
-    assert ids == [t.qid for t in own] + [t.qid for t in rerolled]
-    rows = {str(r["id"]): r for r in map(json.loads, open(demo_world / "train.jsonl"))}
-    for k, t in enumerate(rerolled, start=len(own)):  # evidence over all its turns, turn 1's documents included
-        wanted = set(rows[t.qid[:-2]]["metadata"]["supporting_ids"])
-        seen = {i for turn in t.turns for x in turn.get("document_ids", []) for i in x}
-        assert rewards[k] == pytest.approx(0.5 * t.reward + 0.5 * len(wanted & seen) / len(wanted))
-    for q in qids:
-        members = [k for k, i in enumerate(ids) if i == f"{q}@1"]
-        r = torch.tensor([rewards[k] for k in members], dtype=torch.float64)
-        expected = (r - r.mean()) / (r.std() + 1e-6)
-        assert advantages[members].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    assert row["reward"] == pytest.approx(sum(t.reward for t in own) / 6)
-    assert (row["reroll_trajectories"], row["reroll_groups"]) == (6, 2)
-    assert row["reroll_reward"] == pytest.approx(sum(t.reward for t in rerolled) / 6)
-    assert row["conversations_per_trajectory"] == pytest.approx((6 * 3 + 6 * 2) / 6)  # all trained, over own trajectories
-    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]  # --sample_groups 1: a group and its re-roll
-    assert [(s["group"], s["member"]) for s in samples] == [(qids[0], k) for k in range(3)] + [(qids[0] + "@1", k) for k in range(3)]
-
-
 def equal_and_mixed(question, calls=[0]):  # noqa: B006 -- a call counter
     """Questions 0 and 1 are answered `yes` by every trajectory (equal rewards); questions 2 and 3
     get `yes` and `no` in turn (rewards 1 and 0.1)."""
@@ -706,13 +668,13 @@ def test_mixed_precision_auto(tmp_path, monkeypatch):
     amx.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile\n")
     plain.write_text("flags\t\t: fpu avx2\n")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what `accelerate launch` sets by default
-    assert train.resolve_precision("auto", str(amx)) == ("no" if torch.cuda.is_available() else "bf16")
-    assert train.resolve_precision("auto", str(plain)) == "no"
-    assert train.resolve_precision("no", str(amx)) == "no"
+    assert runs.resolve_precision("auto", str(amx)) == ("no" if torch.cuda.is_available() else "bf16")
+    assert runs.resolve_precision("auto", str(plain)) == "no"
+    assert runs.resolve_precision("no", str(amx)) == "no"
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # `accelerate launch --mixed_precision bf16`
-    assert train.resolve_precision("auto", str(plain)) == "bf16"
+    assert runs.resolve_precision("auto", str(plain)) == "bf16"
     with pytest.raises(SystemExit, match="--mixed_precision must be auto, no, bf16 or fp16"):
-        train.resolve_precision("half")
+        runs.resolve_precision("half")
 
 
 def test_an_interrupted_warm_start_resumes_exactly(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
@@ -763,9 +725,9 @@ def test_mixed_precision_auto_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for supported, expected in ((True, "bf16"), (False, "no")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
-        assert train.resolve_precision("auto") == expected
+        assert runs.resolve_precision("auto") == expected
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the launcher's choice comes first
-    assert train.resolve_precision("auto") == "fp16"
+    assert runs.resolve_precision("auto") == "fp16"
 
 
 def test_frozen_copies_follow_the_runs_precision_and_logits_stay_bf16(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path):
@@ -797,14 +759,14 @@ def test_rollout_in_chunks_bounds_the_rows_per_generate_call(tiny_lm, tokenizer,
     monkeypatch.setattr(agent, "_generate", lambda model, tok, ids, *a, **k: rows.append(ids.shape[0]) or generate(model, tok, ids, *a, **k))
     questions = [{"id": f"q{i}", "question": f"Where was person {i} born?", "golden_answers": ["x"]} for i in range(3)]
     search = lambda queries, topk: [f"A passage about {q}." for q in queries]  # noqa: E731
-    runs = []
+    rollouts = []
     for size in (0, 2):
         rows.clear()
-        runs.append(train.rollout_in_chunks(tiny_lm, tokenizer, questions, search, size, 7, group_size=2, max_turns=2,
-                                            max_new_tokens=6, greedy=True))
+        settings = agent.RolloutSettings(max_turns=2, max_new_tokens=6, greedy=True)
+        rollouts.append(train.rollout_in_chunks(tiny_lm, tokenizer, questions, search, settings, 2, size, 7))
         assert max(rows) == (6 if size == 0 else 2)
-    assert [t.qid for t in runs[0]] == [t.qid for t in runs[1]] == ["q0", "q0", "q1", "q1", "q2", "q2"]
-    for a, b in zip(*runs):
+    assert [t.qid for t in rollouts[0]] == [t.qid for t in rollouts[1]] == ["q0", "q0", "q1", "q1", "q2", "q2"]
+    for a, b in zip(*rollouts):
         assert [(c.prompt_ids, c.response_ids, c.loss_mask) for c in a.conversations] == \
                [(c.prompt_ids, c.response_ids, c.loss_mask) for c in b.conversations]
 
@@ -934,7 +896,7 @@ def cuda_step(tiny_lm_dir, tmp_path, **extra):
     args = train.parse_args(argv)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        accelerator = Accelerator(mixed_precision=train.resolve_precision(args.mixed_precision))
+        accelerator = Accelerator(mixed_precision=runs.resolve_precision(args.mixed_precision))
         assert accelerator.mixed_precision == "bf16" and accelerator.device.type == "cuda"
         model, optimizer, tokenizer, reference, _ = train.load_models(args, accelerator)
         policy = accelerator.unwrap_model(model)
@@ -942,8 +904,8 @@ def cuda_step(tiny_lm_dir, tmp_path, **extra):
         questions = [{"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]} for i in range(2)]
         search = lambda queries, topk: [f"A passage about {q}." for q in queries]  # noqa: E731
         with accelerator.autocast():
-            trajectories = train.rollout_in_chunks(policy, tokenizer, questions, search, args.rollout_batch_size, 0,
-                                                   group_size=2, max_turns=2, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
+            settings = agent.RolloutSettings(max_turns=2, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=0)
+            trajectories = train.rollout_in_chunks(policy, tokenizer, questions, search, settings, 2, args.rollout_batch_size, 0)
         conversations = [c for t in trajectories for c in t.conversations]
         for k, c in enumerate(conversations):
             c.advantage = 1.0 if k % 2 else -1.0

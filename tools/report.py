@@ -307,17 +307,14 @@ def training_page(folder: str, data: list[str] | None, corpus_path: str | None) 
         groups[s.get("step"), s.get("group", f"sample {k}")].append(s)
     sections, last_step = [], None
     for (step, group), members in groups.items():
-        base, _, turn = str(group).rpartition("@")  # train.py --reroll_turn K: group `qid@K`, continued from one memory
-        rerolled = bool(base) and turn.isdigit() and str(group) not in rows
-        row = rows.get(base if rerolled else str(group)) or rows.get("question: " + str(members[0].get("question")))
+        row = rows.get(str(group)) or rows.get("question: " + str(members[0].get("question")))
         supporting = {str(i) for i in ((row or {}).get("metadata") or {}).get("supporting_ids") or []}
         advantages = [m["advantage"] for m in members if m.get("advantage") is not None]
         spread = f" · advantages {min(advantages):+.2f} … {max(advantages):+.2f}" if advantages else ""
         if step != last_step:
             sections.append(f"<h2>step {esc(str(step))}</h2>")
             last_step = step
-        tag = f' <span class="tag">re-rolled from one member\'s memory after turn {turn}</span>' if rerolled else ""
-        sections.append(f'<section class="group"><h3>{esc(str(members[0].get("question", "")))}{tag}</h3>'
+        sections.append(f'<section class="group"><h3>{esc(str(members[0].get("question", "")))}</h3>'
                         f'<p>gold: <b>{esc(" | ".join(map(str, members[0].get("golden_answers") or [])))}</b> · '
                         f'{len(members)} trajectories{spread}</p>{chain_html(row)}'
                         f'<div class="members" style="--n:{len(members)}">'

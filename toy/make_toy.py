@@ -482,7 +482,7 @@ def write_jsonl(path, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy"),
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "toy"),
                     help="output folder (data/toy beside this script)")
     for flag, default in (("--seed", 0), ("--passages", 3000), ("--train", 2000), ("--test", 200)):
         ap.add_argument(flag, type=int, default=default)

@@ -29,7 +29,8 @@ import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 import agent  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -257,19 +258,18 @@ def pick_questions(rows: list[dict], n: int, mix: dict[str, float]) -> list[dict
     return picked
 
 
-def make_demonstrations(questions: list[dict], search, tokenizer, *, max_turns: int = 5, seed: int = 0,
-                        batch_size: int = 64, model=None, **rollout_kwargs) -> tuple[list[agent.Trajectory], dict]:
+def make_demonstrations(questions: list[dict], search, tokenizer, settings: agent.RolloutSettings | None = None, *,
+                        seed: int = 0, batch_size: int = 64) -> tuple[list[agent.Trajectory], dict]:
     """Oracle trajectories for `questions` (toy rows with `metadata.chain`, e.g. from `load_rows`),
-    rolled out by `agent.rollout` with the given search tool; extra keyword arguments go to rollout
-    (e.g. `system_prompt`). Returns (kept trajectories, stats): offered, kept, dropped by reason,
+    rolled out by `agent.rollout` with the given search tool and settings (turns, prompts; the
+    sampling settings do not apply to the oracle). Returns (kept trajectories, stats): offered, kept, dropped by reason,
     offered/kept by question type, conversations and tokens of the kept ones, seconds."""
     start = time.time()
     oracle = Oracle(questions, seed=seed)
     kept, dropped, by_type = [], Counter(), {}
     for s in range(0, len(questions), batch_size):
         batch = questions[s:s + batch_size]
-        trajectories = agent.rollout(model, tokenizer, batch, search, max_turns=max_turns, generate_fn=oracle,
-                                     **rollout_kwargs)
+        trajectories = agent.rollout(None, tokenizer, batch, search, settings, generate_fn=oracle)
         for q, t in zip(batch, trajectories):
             counts = by_type.setdefault(q["metadata"]["type"], {"offered": 0, "kept": 0})
             counts["offered"] += 1
@@ -287,8 +287,8 @@ def make_demonstrations(questions: list[dict], search, tokenizer, *, max_turns: 
     return kept, stats
 
 
-def group_experts(rows: list[dict], search, tokenizer, k: int, *, max_turns: int, seed: int,
-                  **rollout_kwargs) -> list[agent.Trajectory]:
+def group_experts(rows: list[dict], search, tokenizer, k: int, settings: agent.RolloutSettings, *,
+                  seed: int) -> list[agent.Trajectory]:
     """Expert bootstrapping for GRPO (train.py --oracle_per_group K; David-GRPO's expert trajectories,
     LUFFY's off-policy guidance): K oracle trajectories for each row whose question has a reasoning
     chain, acted out through `agent.rollout` with the same prompts, tool turns and loss masks as the
@@ -306,8 +306,7 @@ def group_experts(rows: list[dict], search, tokenizer, k: int, *, max_turns: int
     rows = [r for r in rows if (r.get("metadata") or {}).get("chain")]
     if not rows or k <= 0:
         return []
-    return agent.rollout(None, tokenizer, rows, search, group_size=k, max_turns=max_turns,
-                         generate_fn=Oracle(rows, seed=seed), **rollout_kwargs)
+    return agent.rollout(None, tokenizer, rows, search, settings, group_size=k, generate_fn=Oracle(rows, seed=seed))
 
 
 def evidence_share(trajectory, supporting_ids) -> float:
@@ -326,7 +325,7 @@ def main(argv=None):
     import argparse
 
     ap = argparse.ArgumentParser(description="Make oracle demonstrations and report how many survive.")
-    ap.add_argument("--data", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy", "train.jsonl"))
+    ap.add_argument("--data", default=os.path.join(ROOT, "data", "toy", "train.jsonl"))
     ap.add_argument("--corpus", default=None, help="default: the corpus.jsonl beside --data")
     ap.add_argument("--n", type=int, default=300, help="the first n questions")
     ap.add_argument("--max_turns", type=int, default=5)
@@ -340,7 +339,8 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     search = retriever.open_retriever(corpus=args.corpus or os.path.join(os.path.dirname(args.data), "corpus.jsonl"))
     rows = load_rows(args.data)[:args.n]
-    trajectories, stats = make_demonstrations(rows, search, tokenizer, max_turns=args.max_turns, seed=args.seed)
+    trajectories, stats = make_demonstrations(rows, search, tokenizer, agent.RolloutSettings(max_turns=args.max_turns),
+                                              seed=args.seed)
     for t in trajectories[:args.show]:
         for k, c in enumerate(t.conversations, 1):
             print(f"===== conversation {k} (⟦⟧ = not trained) =====")
