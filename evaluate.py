@@ -105,10 +105,6 @@ def load_datasets(paths: list[str], limit: int | None = None, seed: int = 0) -> 
     return {name: datasets[name] for name in paper_order(datasets)}
 
 
-def key(q: dict) -> tuple[str, str]:
-    return q["dataset"], q["id"]
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Metrics: EM and F1 are agent.py's (the reward's normalisation); acc is cover EM
 # ---------------------------------------------------------------------------------------------
@@ -134,46 +130,8 @@ def record(q: dict, t: agent.Trajectory, seconds: float, peak_memory: int | None
 
 # ---------------------------------------------------------------------------------------------
 # 3. Evaluation: this rank's share in chunks; finished chunks are appended and flushed
+#    (the prediction files, their resume and merge: tools/runs.py)
 # ---------------------------------------------------------------------------------------------
-def prediction_files(output_dir: str) -> list[str]:
-    merged = os.path.join(output_dir, "predictions.jsonl")
-    return ([merged] if os.path.isfile(merged) else []) + sorted(glob.glob(os.path.join(output_dir, "predictions.rank*.jsonl")))
-
-
-def scan(path: str, warn: bool = True):
-    """(byte offset, record without its turns) for each line. A last line with no newline is a
-    crash mid-write: ignored with a warning, so its question is redone."""
-    offset = 0
-    with open(path, "rb") as f:
-        for k, line in enumerate(f, 1):
-            if not line.endswith(b"\n"):
-                if warn:
-                    print(f"warning: {path}:{k}: truncated last line ignored; its question will be redone")
-                break
-            if line.strip():
-                try:
-                    r = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    r = None
-                if not isinstance(r, dict) or "dataset" not in r or "id" not in r:
-                    raise SystemExit(f"evaluate.py: {path}:{k}: not a prediction record")
-                r.pop("turns", None)
-                yield offset, r
-            offset += len(line)
-
-
-def finished(output_dir: str, run: dict, warn: bool = True) -> dict:
-    """{(dataset, id): (file, offset, record)} of every prediction already in output_dir."""
-    done = {}
-    for path in prediction_files(output_dir):
-        for offset, r in scan(path, warn):
-            if r.get("run") != run:
-                raise SystemExit(f"evaluate.py: {path} holds predictions of another run ({r.get('run')}), "
-                                 f"not of {run}; use another --output_dir")
-            done[key(r)] = (path, offset, r)
-    return done
-
-
 def evaluate_shard(model, tokenizer, search, questions, args, run, path, generate_fn, show_progress):
     """Greedy rollouts in chunks of --batch_size questions of one dataset, each finished chunk
     appended to `path` and flushed: an interruption loses at most one chunk."""
@@ -193,32 +151,6 @@ def evaluate_shard(model, tokenizer, search, questions, args, run, path, generat
                          for q, t in zip(chunk, trajectories))
             f.flush()
             bar.update(len(chunk))
-
-
-def merge(output_dir: str, questions: list[dict], run: dict) -> list[dict]:
-    """Main process: fold every predictions file into predictions.jsonl (this run's questions in
-    dataset and file order, then any others), atomically; then drop the rank files. Returns this
-    run's records (without their turns)."""
-    done = finished(output_dir, run, warn=False)
-    missing = [key(q) for q in questions if key(q) not in done]
-    if missing:
-        raise SystemExit(f"evaluate.py: {len(missing)} questions have no prediction, e.g. {missing[0]}")
-    position = {key(q): k for k, q in enumerate(questions)}
-    order = sorted(done, key=lambda k: position.get(k, len(position)))  # stable: the others keep file order
-    merged, tmp = os.path.join(output_dir, "predictions.jsonl"), os.path.join(output_dir, "predictions.jsonl.tmp")
-    sources = {path: open(path, "rb") for path in prediction_files(output_dir)}
-    with open(tmp, "wb") as out:
-        for k in order:
-            path, offset, _ = done[k]
-            sources[path].seek(offset)
-            out.write(sources[path].readline())
-    for f in sources.values():
-        f.close()
-    os.replace(tmp, merged)
-    for path in sources:
-        if path != merged:
-            os.remove(path)
-    return [done[key(q)][2] for q in questions]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,9 +219,9 @@ def label(results: dict) -> str:
     return f"{AGENTS[results['run']['agent']]} ({os.path.basename(model.rstrip('/')) or model})"
 
 
-def report(runs: list[tuple[str, dict]]) -> str:
+def report(methods: list[tuple[str, dict]]) -> str:
     """Markdown: rows (metric, method), datasets as columns, Avg last; then context tokens per turn."""
-    names = paper_order(dict.fromkeys(n for _, res in runs for n in res["datasets"]))
+    names = paper_order(dict.fromkeys(n for _, res in methods for n in res["datasets"]))
     def cell(fmt, summary, m, interval=True):  # the value, with its 95% bootstrap interval where there is one
         if summary is None or summary.get(m) is None:
             return "–"
@@ -299,23 +231,23 @@ def report(runs: list[tuple[str, dict]]) -> str:
     lines = ["| Method | Metric | " + " | ".join(PAPER_DATASETS.get(n.lower(), n) for n in names) + " | Avg |",
              "| --- " * (len(names) + 3) + "|"]
     for title, m, fmt in ROWS:
-        for name, res in runs:
+        for name, res in methods:
             cells = [cell(fmt, res["datasets"].get(n), m) for n in names] + [cell(fmt, res["average"], m, interval=False)]
             lines.append(f"| {name} | {title} | " + " | ".join(cells) + " |")
-    turns = max(len(res["average"]["context_tokens_per_turn"]["mean"]) for _, res in runs)
+    turns = max(len(res["average"]["context_tokens_per_turn"]["mean"]) for _, res in methods)
     lines += ["", "Context tokens per turn, all questions (mean / max; questions still running at that turn):", "",
               "| Method | " + " | ".join(f"turn {k}" for k in range(1, turns + 1)) + " |", "| --- " * (turns + 1) + "|"]
-    for name, res in runs:
+    for name, res in methods:
         c = res["average"]["context_tokens_per_turn"]
         lines.append(f"| {name} | " + " | ".join(f"{a:.0f} / {b} ({n})" for a, b, n in zip(c["mean"], c["max"], c["n"]))
                      + " |" * (turns - len(c["mean"]) + 1))
-    kinds = sorted({res["config"]["memory_kind"] for _, res in runs})
+    kinds = sorted({res["config"]["memory_kind"] for _, res in methods})
     return "\n".join(lines) + f"\n\nPeak memory: {', '.join(kinds)}. Avg: mean over datasets (EM, F1, acc, format, turns, " \
         "searches, seconds); all questions pooled (context tokens); max (memory). [a, b]: 95% bootstrap interval " \
         "over questions (1,000 resamples). format-valid: the final conversation passed the reward's format check.\n"
 
 
-def plot_context_tokens(runs: list[tuple[str, dict]], path: str):
+def plot_context_tokens(methods: list[tuple[str, dict]], path: str):
     try:
         import matplotlib
     except ImportError:
@@ -326,7 +258,7 @@ def plot_context_tokens(runs: list[tuple[str, dict]], path: str):
     from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for name, res in runs:
+    for name, res in methods:
         curve = res["average"]["context_tokens_per_turn"]
         turns = range(1, len(curve["mean"]) + 1)
         (line,) = ax.plot(turns, curve["mean"], marker="o", label=f"{name} mean")
@@ -362,20 +294,20 @@ def paired_difference(a: list[dict], b: list[dict]) -> dict:
 
 
 def compare(paths: list[str], output_dir: str | None):
-    runs = [(f"{label(res)} [{os.path.basename(os.path.dirname(os.path.abspath(path)))}]", res)
+    methods = [(f"{label(res)} [{os.path.basename(os.path.dirname(os.path.abspath(path)))}]", res)
             for path, res in ((path, read_json(path)) for path in paths)]
-    print(report(runs))
+    print(report(methods))
     folders = [os.path.dirname(os.path.abspath(path)) for path in paths]
-    if len(paths) == 2 and all(prediction_files(f) for f in folders):  # the two runs' predictions, paired
-        a, b = ([r for path in prediction_files(f) for _, r in scan(path, warn=False)] for f in folders)
+    if len(paths) == 2 and all(runs.prediction_files(f) for f in folders):  # the two runs' predictions, paired
+        a, b = ([r for path in runs.prediction_files(f) for _, r in runs.scan(path, warn=False)] for f in folders)
         diff = paired_difference(a, b)
-        print(f"\nPaired difference, {runs[1][0]} minus {runs[0][0]}, over the {diff['n']} questions both answered "
+        print(f"\nPaired difference, {methods[1][0]} minus {methods[0][0]}, over the {diff['n']} questions both answered "
               "(95% bootstrap interval over those questions): "
               + ", ".join(f"{name} {diff[m][0]:+.3f} [{diff[m][1][0]:+.3f}, {diff[m][1][1]:+.3f}]"
                           for name, m in (("EM", "em"), ("F1", "f1"), ("acc", "acc"))))
     folder = output_dir or os.path.dirname(os.path.abspath(paths[0]))
     os.makedirs(folder, exist_ok=True)
-    plot_context_tokens(runs, os.path.join(folder, "context_tokens_compare.png"))
+    plot_context_tokens(methods, os.path.join(folder, "context_tokens_compare.png"))
 
 
 def other_agent(output_dir: str, results: dict) -> list[dict]:
@@ -463,9 +395,9 @@ def main(argv=None, generate_fn=None):
            **prompts,
            "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
     os.makedirs(args.output_dir, exist_ok=True)
-    done = finished(args.output_dir, run, warn=accelerator.is_main_process)
-    mine = [q for q in questions[rank::world] if key(q) not in done]
-    todo = sum(key(q) not in done for q in questions)
+    done = runs.finished(args.output_dir, run, warn=accelerator.is_main_process)
+    mine = [q for q in questions[rank::world] if runs.key(q) not in done]
+    todo = sum(runs.key(q) not in done for q in questions)
     accelerator.print(f"{len(questions)} questions in {len(datasets)} datasets ({', '.join(datasets)}); "
                       f"{len(questions) - todo} already in {args.output_dir}; {todo} to go on {world} process(es)")
     set_seed(args.seed)
@@ -481,7 +413,7 @@ def main(argv=None, generate_fn=None):
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None
-    records = merge(args.output_dir, questions, run)
+    records = runs.merge(args.output_dir, questions, run)
     per_dataset, average = aggregate(records, list(datasets))
     config = {**vars(args), "world_size": world, "device": str(device), "evaluated_now": todo, "wall_seconds": time.time() - t0,
               "memory_kind": "gpu_max_allocated" if device.type == "cuda" else "cpu_peak_rss"}

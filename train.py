@@ -43,10 +43,11 @@ from tools import runs
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration: (flag, toy preset, paper preset, help). Explicit flags override the preset.
 # ---------------------------------------------------------------------------------------------
+TOY_TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy", "train.jsonl")
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 HYPERPARAMETERS = [
     ("model", "default", "Qwen/Qwen2.5-3B-Instruct", "policy: `default` (embedded SmolLM2-135M) or an HF name/path; paper: Qwen2.5-3B/7B-Instruct"),
-    ("train_data", os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "toy", "train.jsonl"), None,
-     "FlashRAG jsonl or Search-R1 parquet; paper: NQ + HotpotQA train"),
+    ("train_data", TOY_TRAIN, None, "FlashRAG jsonl or Search-R1 parquet; paper: NQ + HotpotQA train"),
     ("agent", "memsearcher", "memsearcher", "memsearcher, or react (the baseline, one growing conversation)"),
     ("max_steps", 8, 660, "optimizer steps (each: one batch of questions); paper: 1 epoch = ~660 (toy: docs/learning.md)"),
     ("batch_size", 4, 256, "questions per step, over all ranks; paper: 256"),
@@ -59,24 +60,17 @@ HYPERPARAMETERS = [
     ("grad_clip", 1.0, 1.0, "max global gradient norm; paper: 1.0"),
     ("clip_eps", 0.2, 0.2, "PPO ratio clip epsilon; paper: 0.2"),
     ("clip_ratio_c", 3.0, 3.0, "dual-clip bound c for negative advantages; paper: 3"),
-    ("old_logprobs", "recorded", "recompute", "recorded (from sampling; used only in float32 without autocast, where "
-     "they equal the recomputation) or recompute (a forward pass before the update, as released)"),
-    ("kl_coef", 0.0, 0.001, "k3 KL-to-reference coefficient (0 skips the reference model; toy: 0, as David-GRPO's "
-     "first stage); paper: 0.001"),
+    ("old_logprobs", "recorded", "recompute", "recorded while sampling (float32 without autocast only) or recompute (a forward pass, as released)"),
+    ("kl_coef", 0.0, 0.001, "k3 KL-to-reference coefficient (0: no reference model; toy: 0, as David-GRPO's first stage); paper: 0.001"),
     ("entropy_coef", 0.0, 0.001, "entropy bonus coefficient; paper: 0.001 (toy: 0: with no reward signal it only raises entropy)"),
-    ("mixed_precision", "auto", "auto", "no, bf16, or auto: the launcher's bf16/fp16 if set, else bf16 autocast on a GPU that "
-     "supports it or a CPU with AMX, else none; the trained weights stay float32, frozen copies follow the run's precision"),
+    ("mixed_precision", "auto", "auto", "no, bf16, or auto (runs.resolve_precision); trained weights float32, frozen copies in this precision"),
     # Memory (docs/memory_plan.md: which settings fit which GPUs): none of these changes the math
-    ("rollout_batch_size", 0, 64, "rows (trajectories) per generate call: a rank's trajectories roll out in chunks of "
-     "R // G questions (0: all at once); docs/memory_plan.md"),
-    ("reference_on_cpu", False, False, "keep the frozen KL reference on the CPU, moved to the GPU for its log-prob pass only "
-     "(the release offloads it the same way)"),
+    ("rollout_batch_size", 0, 64, "R, rows per generate call: a rank rolls out R // G questions at a time (0: all at once)"),
+    ("reference_on_cpu", False, False, "keep the KL reference on the CPU but for its log-prob pass (the release offloads it so too)"),
     ("gradient_checkpointing", True, True, "recompute activations in the update to save memory (docs/performance.md)"),
-    ("lora_rank", 0, 0, "r > 0: train LoRA adapters of rank r instead of every weight (needs peft); the KL reference is "
-     "the base model, the adapter disabled; checkpoints hold the adapter"),
+    ("lora_rank", 0, 0, "r > 0: train LoRA adapters of rank r (needs peft); the reference is the base, the checkpoints the adapter"),
     ("lora_alpha", 64, 64, "LoRA scale alpha (the update is alpha / r * B A x)"),
-    ("lora_target_modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-     "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "the linear layers that get adapters"),
+    ("lora_target_modules", LORA_TARGETS, LORA_TARGETS, "the linear layers that get adapters"),
     # The rollout (agent.RolloutSettings)
     ("max_turns", 3, 5, "turns per trajectory in training; paper: 5"),
     ("max_new_tokens", 128, 512, "tokens per generation; paper: 512"),
@@ -101,13 +95,10 @@ HYPERPARAMETERS = [
     ("save_every", 2, 20, "checkpoint every N steps (and at the end)"),
     ("keep_checkpoints", 2, 3, "how many newest checkpoints to keep"),
     ("resume", False, False, "continue from the newest checkpoint in output_dir"),
-    ("shared_prefix", True, True, "encode the token prefixes the conversations share (the system prompt; a group's turn-1 prompt) once per "
-     "log-prob pass and per update, not once per conversation (exact; docs/performance.md)"),
-    ("sample_groups", 1, 1, "groups per step written whole to samples.jsonl (each trajectory's reward, advantage, "
-     "oracle flag, and per conversation its tokens, loss mask and log-probs; tools/report.py renders them)"),
+    ("shared_prefix", True, True, "encode the prefixes conversations share once per pass, not once per row (exact; docs/performance.md)"),
+    ("sample_groups", 1, 1, "groups per step written whole to samples.jsonl (tools/report.py renders them)"),
     ("report_to", None, None, "accelerate trackers: tensorboard, wandb, ... (comma-separated)"),
-    ("timeout_minutes", 60, 60, "how long a rank waits for the others at a collective before the run fails (e.g. while "
-     "rank 0 builds the index; the default of torch's NCCL watchdog is 10)"),
+    ("timeout_minutes", 60, 60, "how long a rank waits at a collective before the run fails (e.g. while rank 0 builds the index)"),
     ("seed", 0, 0, "data order, sampling (offset per rank and step), initialisation"),
 ] + recipe.HYPERPARAMETERS  # the toy preset's small-budget recipe (toy/recipe.py): every part off in the paper preset
 
@@ -125,7 +116,9 @@ def parse_args(argv=None):
         else:
             ap.add_argument(f"--{name}", type=kind, default=None, help=f"{help_} (toy: {toy}; paper: {paper})")
     args = ap.parse_args(argv)
-    preset = args.preset or checkpoint_preset(args.model) or ("toy" if args.model in (None, "default") else "paper")
+    state = os.path.join(str(args.model), "trainer_state.json")  # a train.py checkpoint continues with its own preset
+    trained_with = json.load(open(state))["args"].get("preset") if os.path.isfile(state) else None
+    preset = args.preset or trained_with or ("toy" if args.model in (None, "default") else "paper")
     args.source = {}  # where each value came from, for configuration errors
     for name, toy, paper, _ in HYPERPARAMETERS:
         args.source[name] = "flag"
@@ -137,20 +130,13 @@ def parse_args(argv=None):
     return args
 
 
-def checkpoint_preset(model):
-    """A checkpoint made by train.py continues with the preset it was trained with."""
-    path = os.path.join(str(model), "trainer_state.json")
-    return json.load(open(path))["args"].get("preset") if os.path.isfile(path) else None
-
-
 def check_config(args, world_size, distributed_type=None):
     """Fail fast, before loading anything large. Each problem names the flag, its value and where
     the value came from (a flag or a preset)."""
     flag = lambda name: f"--{name} {getattr(args, name)} ({args.source.get(name, 'flag')})"  # noqa: E731
     problems = []
     if distributed_type == DistributedType.DEEPSPEED:
-        problems.append("DeepSpeed is not supported: its engine steps the optimizer after a fixed number of micro-batches, "
-                        "while a GRPO step's count varies with the conversations; use FSDP (accelerate config) to shard")
+        problems.append("DeepSpeed is not supported (its engine steps after a fixed count of micro-batches; a GRPO step's varies): use FSDP")
     if args.group_size < 2:
         problems.append(f"--group_size must be >= 2 (GRPO compares trajectories within a group), got {args.group_size}")
     if args.batch_size % world_size:
@@ -160,8 +146,7 @@ def check_config(args, world_size, distributed_type=None):
     if args.doc_format not in retriever.DOC_FORMATS:
         problems.append(f"--doc_format must be one of {', '.join(retriever.DOC_FORMATS)}, got {args.doc_format!r}")
     if args.lora_rank and distributed_type == DistributedType.FSDP:
-        problems.append("--lora_rank trains under DDP or on one GPU, not FSDP (the adapter and its optimizer state are small; "
-                        "the frozen base is held whole on each rank, in bf16)")
+        problems.append("--lora_rank trains under DDP or on one GPU, not FSDP (the frozen base is held whole on each rank, in bf16)")
     if args.lora_rank > 0:
         try:
             agent.peft_module()

@@ -51,8 +51,11 @@ def load_questions(n):
 class Timed:
     """A rollout's generate_fn that counts what its calls cost: calls, seconds in generate, seconds
     until the first logits (the prefill), tokens prefilled, and row-steps (rows x decoding steps).
-    `cached`: a fresh agent.CachedGenerate per rollout (the default); else the stateless agent.generate.
-    `script(prompt_text) -> text` forces what the model emits (through the real model and cache)."""
+    `cached`: a fresh agent.CachedGenerate per rollout (what rollout(generate_fn=None) makes), whose
+    `.prefilled` counts the token positions it prefills, padding included; else the stateless
+    agent.generate, which counts nothing: it prefills every prompt whole, left-padded to the longest,
+    so a call costs len(prompts) x the longest prompt. `script(prompt_text) -> text` forces what the
+    model emits (through the real model and cache)."""
 
     def __init__(self, stats, cached=True, script=None):
         self.stats, self.inner, self.script = stats, agent.CachedGenerate() if cached else agent.generate, script
@@ -80,7 +83,8 @@ class Timed:
             return timed
 
         agent.make_recorder = make_recorder
-        prefilled, t = agent.PREFILLED_TOKENS[0], time.perf_counter()
+        cached = isinstance(self.inner, agent.CachedGenerate)
+        before, t = self.inner.prefilled if cached else 0, time.perf_counter()
         try:
             out = self.inner(model, tokenizer, prompts, **sampling)
         finally:
@@ -89,7 +93,7 @@ class Timed:
         stats["calls"] += 1
         stats["seconds"] += end - t
         stats["prefill_seconds"] += (first[0] if first else end) - t
-        stats["prefilled"] += agent.PREFILLED_TOKENS[0] - prefilled
+        stats["prefilled"] += self.inner.prefilled - before if cached else len(prompts) * max(map(len, prompts))
         stats["slots"] += len(prompts) * max((len(g.ids) for g in out), default=0)
         return out
 
@@ -117,10 +121,10 @@ def run_rollouts(model, tokenizer, questions, search, batches, args, cached=True
     trajectories = []
     start = time.perf_counter()
     for batch in batches:
-        trajectories += agent.rollout(model, tokenizer, batch, search, agent=agent_name, greedy=True,
-                                      max_turns=max_turns or args.max_turns, max_new_tokens=max_new_tokens or args.max_new_tokens,
-                                      evaluation=True, max_memory_tokens=None, max_response_tokens=10**9,
-                                      generate_fn=Timed(stats, cached, script))
+        settings = agent.RolloutSettings(agent=agent_name, greedy=True, max_turns=max_turns or args.max_turns,
+                                         max_new_tokens=max_new_tokens or args.max_new_tokens, evaluation=True,
+                                         max_memory_tokens=None, max_response_tokens=10**9)
+        trajectories += agent.rollout(model, tokenizer, batch, search, settings, generate_fn=Timed(stats, cached, script))
     return trajectories, time.perf_counter() - start, stats
 
 
@@ -256,8 +260,9 @@ def bench_context(tokenizer, questions, search, args):
     turns = 10
     per_agent = {}
     for name in ("memsearcher", "react"):
-        trajectories = agent.rollout(None, tokenizer, questions, search, agent=name, max_turns=turns,
-                                     max_response_tokens=10**9, generate_fn=scripted_policy(name, args.memory_words))
+        settings = agent.RolloutSettings(agent=name, max_turns=turns, max_response_tokens=10**9)
+        trajectories = agent.rollout(None, tokenizer, questions, search, settings,
+                                     generate_fn=scripted_policy(name, args.memory_words))
         per_agent[name] = trajectories
     print(f"\n== 3. Context tokens per turn (paper Figure 3): {len(questions)} questions, scripted policy that "
           f"searches every turn (real retriever, top_n 5), memory = first {args.memory_words} words of the latest documents")

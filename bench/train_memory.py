@@ -70,8 +70,8 @@ def build_conversations(tokenizer, variant, args):
     """(trajectories, conversations, per-conversation advantages) for one variant."""
     questions = bench_rollout.load_questions(args.questions)
     search = retriever.open_retriever()
-    trajectories = agent.rollout(None, tokenizer, questions, search, agent=variant, max_turns=args.turns,
-                                 max_response_tokens=10**9,
+    settings = agent.RolloutSettings(agent=variant, max_turns=args.turns, max_response_tokens=10**9)
+    trajectories = agent.rollout(None, tokenizer, questions, search, settings,
                                  generate_fn=bench_rollout.scripted_policy(
                                      variant, args.memory_words, answers={q["question"]: q["golden_answers"][0] for q in questions},
                                      answer_turn=args.turns))

@@ -3,6 +3,7 @@
 The suite runs on CPUs whatever the machine has: CUDA devices are hidden (here and in the
 processes tests start), unless MEMSEARCHER_TEST_CUDA=1, which tools/gpu_check.py sets to run the
 tests marked `cuda` (`pytest -m cuda`); those skip where no GPU is visible."""
+import json
 import os
 import shutil
 import sys
@@ -13,7 +14,8 @@ if os.environ.get("MEMSEARCHER_TEST_CUDA") != "1":
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -92,3 +94,33 @@ def small_corpus(tmp_path_factory, tiny_encoder_dir):
         path.write_text("".join(next(src) for _ in range(200)))
     retriever.open_retriever(corpus=str(path), encoder=tiny_encoder_dir)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def yes_questions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]}) + "\n"
+                            for i in range(8)))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def demo_world(tmp_path_factory):
+    """12 toy train questions with reasoning chains (8 to train on, 4 held out), and a corpus of
+    their supporting passages plus 40 others; the embedded MiniLM finds each hop's entity by name."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "train.jsonl"))][:12]
+    corpus = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "corpus.jsonl"))]
+    needed = {h["passage_id"] for r in rows for h in r["metadata"]["chain"]}
+    passages = [p for p in corpus if p["id"] in needed] + [p for p in corpus[:60] if p["id"] not in needed][:40]
+    folder = tmp_path_factory.mktemp("world")
+    for name, items in (("train.jsonl", rows[:8]), ("heldout.jsonl", rows[8:]), ("corpus.jsonl", passages)):
+        (folder / name).write_text("".join(json.dumps(x) + "\n" for x in items))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def two_process_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions):
+    from train_helpers import base_args
+
+    common = dict(max_steps=2, train_data=yes_questions, batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
+    return lambda out, **extra: base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **{**common, **extra})

@@ -1,7 +1,6 @@
 """agent.py: prompt, parsing, reward, batched rollouts of MemSearcher and ReAct, log-prob parity."""
 import importlib.util
 import json
-import re
 
 import pytest
 import torch
@@ -595,15 +594,3 @@ def test_default_model_loads_trains_and_saves(tmp_path):
     reloaded, _ = agent.load_model(str(tmp_path))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
-
-
-def test_a_run_folder_stands_for_its_newest_checkpoint(tmp_path):
-    assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path)  # nothing saved yet
-    for name in ("warm_start", "checkpoint-2", "checkpoint-10", "checkpoint-12.tmp"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "config.json").write_text("{}")
-    assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-10")
-    for name in ("checkpoint-2", "checkpoint-10"):
-        (tmp_path / name / "config.json").unlink()
-    assert agent.newest_checkpoint(str(tmp_path)) == str(tmp_path / "warm_start")
-    assert agent.newest_checkpoint(str(tmp_path / "warm_start")) == str(tmp_path / "warm_start")

@@ -1,14 +1,11 @@
-"""train.py: one step, metrics and checkpoints, bf16 autocast, exact resume, and two-process CPU
-runs (torchrun, gloo) under DDP and FSDP."""
+"""train.py: one step, metrics and checkpoints, bf16 autocast, exact resume, two-process CPU runs
+(torchrun, gloo) under DDP and FSDP, LoRA, and the shared-prefix speedup. The toy preset's recipe
+(warm start, oracle, evidence credit, skipped groups) is tested in tests/test_toy.py."""
 import importlib.util
 import json
 import math
 import os
 import random
-import re
-import socket
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -19,32 +16,12 @@ import agent
 import train
 from tools import runs
 from toy import recipe
+from train_helpers import base_args, run_two_processes, state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
            "context_tokens_mean", "context_tokens_max", "trained_tokens", "loss", "kl", "clip_frac", "entropy",
            "grad_norm", "updates", "lr", "seconds_rollout", "seconds_reference", "seconds_update", "peak_memory_gb", "peak_update_gb"}
-
-
-@pytest.fixture(scope="module")
-def yes_questions(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]}) + "\n"
-                            for i in range(8)))
-    return str(path)
-
-
-def base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **extra):
-    args = dict(model=tiny_lm_dir, corpus=small_corpus, encoder=tiny_encoder_dir, output_dir=str(out), preset="toy",
-                batch_size=2, group_size=2, mini_batch_size=1, micro_batch_size=2, max_new_tokens=12, max_turns=2,
-                lr=1e-3, save_every=1, warm_start_steps=0, old_logprobs="recompute", mixed_precision="no",
-                kl_coef=0.001, oracle_per_group=0, no_oracle_when_unsolved=True, evidence_weight=0.0,
-                no_skip_equal_groups=True, no_gradient_checkpointing=True)  # the released recipe; tests of the small-budget one turn it on
-    args.update(extra)
-    argv = []
-    for k, v in args.items():
-        argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
-    return argv
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -113,24 +90,6 @@ def test_shared_prefix_update_equals_plain(tiny_lm, micro_batch_size, sharing):
     assert moved > 1e-3
     for k, v in after[False].items():
         torch.testing.assert_close(after[True][k], v, rtol=0, atol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def demo_world(tmp_path_factory):
-    """12 toy train questions with reasoning chains (8 to train on, 4 held out), and a corpus of
-    their supporting passages plus 40 others; the embedded MiniLM finds each hop's entity by name."""
-    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "train.jsonl"))][:12]
-    corpus = [json.loads(line) for line in open(os.path.join(ROOT, "data", "toy", "corpus.jsonl"))]
-    needed = {h["passage_id"] for r in rows for h in r["metadata"]["chain"]}
-    passages = [p for p in corpus if p["id"] in needed] + [p for p in corpus[:60] if p["id"] not in needed][:40]
-    folder = tmp_path_factory.mktemp("world")
-    for name, items in (("train.jsonl", rows[:8]), ("heldout.jsonl", rows[8:]), ("corpus.jsonl", passages)):
-        (folder / name).write_text("".join(json.dumps(x) + "\n" for x in items))
-    return folder
-
-
-def state(path):
-    return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
 def test_config_errors_fail_fast(tmp_path):
@@ -314,26 +273,6 @@ def test_resume_reproduces_the_next_step(tiny_lm_dir, small_corpus, tiny_encoder
     assert [r["step"] for r in rows] == [1, 2]
 
 
-def run_two_processes(argv, **env):
-    """torchrun --nproc_per_node 2 tests/scripted_policy.py <argv>; returns each rank's saved record."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(ROOT, "tests", "scripted_policy.py"), *argv]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = argv[argv.index("--output_dir") + 1]
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)]
-
-
-@pytest.fixture(scope="module")
-def two_process_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions):
-    common = dict(max_steps=2, train_data=yes_questions, batch_size=4, mini_batch_size=2, micro_batch_size=2, max_turns=4)
-    return lambda out, **extra: base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, **{**common, **extra})
-
-
 @pytest.fixture(scope="module")
 def ddp_run(two_process_args, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
@@ -381,226 +320,6 @@ def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_pa
     run_two_processes(two_process_args(tmp_path, resume=True), TEST_FSDP_VERSION="2")
     a, b = state(out / "checkpoint-2"), state(tmp_path / "checkpoint-2")
     assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-# --- the warm start on oracle demonstrations (docs/design.md) -----------------------------------
-def warm_args(tiny_lm_dir, world, out, **extra):
-    """The tiny model on the demo world with the embedded encoder: warm start only, unless told."""
-    args = dict(corpus=world / "corpus.jsonl", encoder="default", train_data=world / "train.jsonl", max_steps=0,
-                warm_start_steps=24, warm_start_batch=4, warm_start_lr=1e-2, warm_start_questions=8,
-                warm_start_mix="7:1:0")  # all 8 train rows of demo_world: 7 single-hop, 1 bridge
-    args.update(extra)
-    return base_args(tiny_lm_dir, None, None, out, **args)
-
-
-def demonstration_fit(model, conversations, pad_id):
-    """(token-mean NLL, top-1 accuracy) over the loss masks, teacher-forced: what the warm start
-    minimises, and how often the model's greedy next token is the demonstrated one."""
-    ids, attn, _, f = train.grpo.pad_batch(conversations, pad_id, "cpu", ("loss_mask",))
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    target, mask = ids[:, 1:], f["loss_mask"][:, 1:]
-    nll = -torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
-    hits = (logits.argmax(-1) == target).float()
-    return float((nll * mask).sum() / mask.sum()), float((hits * mask).sum() / mask.sum())
-
-
-def test_warm_start_lowers_heldout_nll_and_teaches_the_format(tiny_lm_dir, tokenizer, demo_world, tmp_path):
-    import retriever
-    from toy import oracle
-
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path))
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["phase"] for r in rows] == ["warm_start"] * 24 and [r["step"] for r in rows] == list(range(1, 25))
-    assert sum(r["loss"] for r in rows[-4:]) < 0.5 * sum(r["loss"] for r in rows[:4])
-    assert not any(p.startswith("checkpoint-") for p in os.listdir(tmp_path))  # --max_steps 0: warm start only
-    warm = AutoModelForCausalLM.from_pretrained(tmp_path / "warm_start").eval()
-    base = AutoModelForCausalLM.from_pretrained(tiny_lm_dir).eval()
-    search = retriever.open_retriever(str(demo_world / "corpus.jsonl"), doc_format="release")
-    heldout, stats = oracle.make_demonstrations(oracle.load_rows(demo_world / "heldout.jsonl"), search, tokenizer,
-                                                agent.RolloutSettings(max_turns=3))
-    assert stats["kept"] == 4  # questions never trained on
-    conversations = [c for t in heldout for c in t.conversations]
-    (nll_before, acc_before), (nll_after, acc_after) = (demonstration_fit(m, conversations, tokenizer.pad_token_id)
-                                                        for m in (base, warm))
-    assert nll_after < 0.8 * nll_before
-    assert acc_before < 0.01 and acc_after > 0.3  # the demonstrated format, token by token, on unseen questions
-
-
-def test_a_warm_start_mix_the_data_cannot_fill_fails_clearly(tiny_lm_dir, demo_world, tmp_path):
-    """demo_world's 8 train rows hold 7 single-hop questions, 1 bridge and no comparison."""
-    with pytest.raises(SystemExit, match=r"--warm_start_mix 1:1:1: too few .*'bridge': '1 of 3', 'comparison': '0 of 2'"):
-        train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_mix="1:1:1"))
-    assert not (tmp_path / "warm_start").exists()
-
-
-def test_resume_after_warm_start_continues_exactly(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
-    """A straight run (warm start, then 1 GRPO step) equals a warm-start-only run resumed for the
-    GRPO step; the resumed run does not warm-start again, and its KL reference is the warm start."""
-    common = dict(warm_start_steps=3, kl_coef=0.01, old_logprobs="recorded", batch_size=2, group_size=2, max_turns=2)
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "straight", max_steps=1, **common))
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", max_steps=0, **common))
-    references = []  # with recorded old log-probs, response_logprobs runs for the KL reference only
-    original = train.grpo.response_logprobs
-    monkeypatch.setattr(train.grpo, "response_logprobs", lambda model, *a: references.append(
-        {k: v.clone() for k, v in model.state_dict().items()}) or original(model, *a))
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", max_steps=1, resume=True, **common))
-    a, b = state(tmp_path / "straight" / "checkpoint-1"), state(tmp_path / "resumed" / "checkpoint-1")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    warm = state(tmp_path / "resumed" / "warm_start")
-    assert len(references) == 1 and all(torch.equal(references[0][k], warm[k]) for k in warm)
-    phases = [json.loads(line)["phase"] for line in open(tmp_path / "resumed" / "metrics.jsonl")]
-    assert phases == ["warm_start"] * 3 + ["grpo"]
-
-
-def test_warm_start_on_two_processes_equals_one(tiny_lm_dir, demo_world, tmp_path):
-    """Two ranks split each step's demonstrations unequally in tokens; the pooled token-mean gives
-    the same update as one process, and both ranks stay identical."""
-    common = dict(warm_start_steps=2, warm_start_lr=1e-3)
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "one", **common))
-    r0, r1 = run_two_processes(warm_args(tiny_lm_dir, demo_world, tmp_path / "two", **common))
-    assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
-    one = state(tmp_path / "one" / "warm_start")
-    for k in one:  # AdamW divides each gradient by its own scale, so where a gradient is near zero the
-        # order of a float32 sum shows as up to ~0.1% of one 1e-3 step: allow 1% of a step
-        torch.testing.assert_close(r0["params"][k], one[k], rtol=1e-4, atol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# The small-budget recipe: oracle in the group, evidence credit, skipped groups, bf16, warm-start resume
-# ---------------------------------------------------------------------------------------------
-def recording_advantages(monkeypatch):
-    calls = []
-    original = train.grpo.group_advantages
-    monkeypatch.setattr(train.grpo, "group_advantages", lambda rewards, ids: calls.append(
-        (list(rewards), list(ids), original(rewards, ids))) or calls[-1][2])
-    return calls
-
-
-def answering(answer):
-    """A policy that answers at once, `answer(question)` in \\boxed{}."""
-    def generate(model, tokenizer, prompts, **sampling):
-        outs = []
-        for p in prompts:
-            question = re.search(r"<question> (.*?) </question>", tokenizer.decode(p), re.S).group(1)
-            ids = agent.encode(tokenizer, "</think>\n\\boxed{%s}" % answer(question))
-            ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-            outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
-        return outs
-    return generate
-
-
-def test_oracle_trajectories_join_each_group(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
-    """G 2 sampled answers `yes` (well-formed, wrong: reward 0.1) + K 1 oracle (reward 1) per group:
-    rewards [0.1, 0.1, 1] -> mean 0.4, unbiased std sqrt((0.09 + 0.09 + 0.36) / 2) = 0.5196
-    -> advantages [-0.5774, -0.5774, 1.1547]. The metrics keep the samples apart from the oracle."""
-    calls = recording_advantages(monkeypatch)
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_steps=0, max_steps=1, batch_size=2,
-                         group_size=2, mini_batch_size=2, max_turns=3, oracle_per_group=1),
-               generate_fn=answering(lambda question: "yes"))
-    (rewards, ids, advantages), = calls
-    assert len(set(ids)) == 2 and all(ids.count(q) == 3 for q in ids)
-    for q in set(ids):
-        members = [k for k, i in enumerate(ids) if i == q]
-        assert [rewards[k] for k in members] == pytest.approx([0.1, 0.1, 1.0])
-        assert advantages[members].tolist() == pytest.approx([-0.57735, -0.57735, 1.1547], abs=1e-4)
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    assert row["reward"] == pytest.approx(0.1) and row["oracle_trajectories"] == 2 and row["oracle_reward"] == 1.0
-    assert row["equal_reward_groups"] == 0 and row["skipped_trajectories"] == 0
-    # samples.jsonl (--sample_groups 1): the first group whole, the oracle marked, each with its advantage
-    samples = [json.loads(line) for line in open(tmp_path / "samples.jsonl")]
-    assert [(s["member"], s["oracle"], s["trained"]) for s in samples] == [(0, False, True), (1, False, True), (2, True, True)]
-    assert len({s["group"] for s in samples}) == 1 and {"step", "question", "reward", "end_reason", "turns"} <= set(samples[0])
-    assert [s["advantage"] for s in samples] == pytest.approx([-0.57735, -0.57735, 1.1547], abs=1e-4)
-    assert [s["shaped_reward"] for s in samples] == pytest.approx([0.1, 0.1, 1.0])
-    for s in samples:
-        *searching, final = s["conversations"]
-        for c in s["conversations"]:
-            assert len(c["tokens"]) == len(c["loss_mask"]) == len(c["logprobs"]) and c["prompt_tokens"] > 0
-            assert all(lp <= 0 for lp in c["logprobs"]) and any(lp < 0 for lp in c["logprobs"])  # pi_old's, oracle included
-        assert all(0 < sum(c["loss_mask"]) < len(c["tokens"]) for c in searching)  # the tool response is masked
-        assert all(final["loss_mask"])  # the answer: sampled tokens only
-
-
-def test_oracle_only_where_unsolved(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
-    """--oracle_when_unsolved: a group with a sampled reward of 1 gets no oracle trajectory."""
-    rows = [json.loads(line) for line in open(demo_world / "train.jsonl")][:2]
-    (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    first = rows[0]["question"]
-    calls = recording_advantages(monkeypatch)
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, warm_start_steps=0, max_steps=1, batch_size=2, group_size=2,
-                         mini_batch_size=2, max_turns=3, oracle_per_group=2, oracle_when_unsolved=True,
-                         train_data=tmp_path / "two.jsonl"),
-               generate_fn=answering(lambda q: rows[0]["golden_answers"][0] if q == first else "nothing"))
-    (rewards, ids, _), = calls
-    assert sorted(ids.count(q) for q in set(ids)) == [2, 4]  # solved: G 2 only; unsolved: G 2 + K 2
-    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
-    assert row["oracle_trajectories"] == 2 and row["equal_reward_groups"] == 0.5  # the solved group: 1.0, 1.0
-
-
-def test_evidence_credit_in_the_reward(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
-    """reward = (1 - lambda) released + lambda share of supporting passages retrieved, by hand from
-    each trajectory's retrieved ids; lambda = 0 gives exactly the released reward."""
-    import scripted_policy
-    monkeypatch.setattr(scripted_policy, "RANK", 1)  # searches twice (the question text), then answers
-    rows = {str(r["id"]): r for r in map(json.loads, open(demo_world / "train.jsonl"))}
-    sampled = []
-    rollout = train.agent.rollout
-    monkeypatch.setattr(train.agent, "rollout", lambda *a, **k: sampled.append(rollout(*a, **k)) or sampled[-1])
-    calls = recording_advantages(monkeypatch)
-    for weight in (0.0, 0.5):
-        sampled.clear()
-        train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / str(weight), warm_start_steps=0, max_steps=1, batch_size=2,
-                             group_size=2, mini_batch_size=2, max_turns=3, evidence_weight=weight),
-                   generate_fn=scripted_policy.scripted_generate)
-        (trajectories,) = sampled
-        rewards = calls[-1][0]
-        shares = []
-        for t in trajectories:
-            wanted = set(rows[t.qid]["metadata"]["supporting_ids"])
-            seen = {i for turn in t.turns for ids in turn.get("document_ids", []) for i in ids}
-            assert len(seen) >= 5  # the retriever's ids reached the trajectory
-            shares.append(len(wanted & seen) / len(wanted))
-        expected = [(1 - weight) * t.reward + weight * e if weight else t.reward for t, e in zip(trajectories, shares)]
-        assert rewards == expected
-        row = json.loads(open(tmp_path / str(weight) / "metrics.jsonl").readline())
-        assert row["evidence"] == pytest.approx(sum(shares) / len(shares))
-        assert row["reward"] == pytest.approx(sum(t.reward for t in trajectories) / len(trajectories))
-    assert any(s > 0 for s in shares)  # searching the question's words finds some of its passages
-
-
-def equal_and_mixed(question, calls=[0]):  # noqa: B006 -- a call counter
-    """Questions 0 and 1 are answered `yes` by every trajectory (equal rewards); questions 2 and 3
-    get `yes` and `no` in turn (rewards 1 and 0.1)."""
-    calls[0] += 1
-    return "yes" if int(re.search(r"fact number (\d+)", question).group(1)) < 2 or calls[0] % 2 else "no"
-
-
-def test_skipping_equal_groups_only_changes_the_denominator(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path,
-                                                           monkeypatch):
-    """Without KL and entropy, a group of equal rewards has A = 0 and adds nothing to the gradient
-    but its tokens to the token-mean's denominator: the gradient with it skipped equals the full
-    one times (all trained tokens / kept trained tokens)."""
-    path = tmp_path / "four.jsonl"
-    path.write_text("".join(json.dumps({"id": f"q{i}", "question": f"Is fact number {i} true?", "golden_answers": ["yes"]})
-                            + "\n" for i in range(4)))
-    grads, rows = [], []
-    monkeypatch.setattr(train.torch.optim.AdamW, "step", lambda self, *a, **k: grads.append(
-        [p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None]))
-    for skip in (False, True):
-        out = tmp_path / f"skip{skip}"
-        flags = dict(skip_equal_groups=True) if skip else {}
-        train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, out, max_steps=1, batch_size=4, group_size=2,
-                             mini_batch_size=4, train_data=path, kl_coef=0.0, entropy_coef=0.0, grad_clip=1e9, **flags),
-                   generate_fn=answering(equal_and_mixed))
-        rows.append(json.loads(open(out / "metrics.jsonl").readline()))
-    full, skipped = grads
-    assert rows[1]["skipped_trajectories"] == 4 and rows[1]["equal_reward_groups"] == 0.5 and rows[0]["skipped_trajectories"] == 0
-    scale = rows[0]["trained_tokens"] / rows[1]["trained_tokens"]
-    assert scale > 1.5
-    assert any(g.abs().sum() > 0 for g in skipped)
-    for a, b in zip(full, skipped):
-        torch.testing.assert_close(b, a * scale, rtol=1e-4, atol=1e-9)
 
 
 def test_a_step_with_every_group_tied_trains_nothing_and_the_run_goes_on(tiny_lm_dir, small_corpus, tiny_encoder_dir,
@@ -663,73 +382,7 @@ def test_bf16_on_cpu_recomputes_old_logprobs(tiny_lm_dir, small_corpus, tiny_enc
     assert json.loads(open(tmp_path / "metrics.jsonl").readline())["ratio"] == pytest.approx(1.0, abs=1e-2)
 
 
-def test_mixed_precision_auto(tmp_path, monkeypatch):
-    amx, plain = tmp_path / "amx", tmp_path / "plain"
-    amx.write_text("flags\t\t: fpu avx512f amx_bf16 amx_tile\n")
-    plain.write_text("flags\t\t: fpu avx2\n")
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what `accelerate launch` sets by default
-    assert runs.resolve_precision("auto", str(amx)) == ("no" if torch.cuda.is_available() else "bf16")
-    assert runs.resolve_precision("auto", str(plain)) == "no"
-    assert runs.resolve_precision("no", str(amx)) == "no"
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # `accelerate launch --mixed_precision bf16`
-    assert runs.resolve_precision("auto", str(plain)) == "bf16"
-    with pytest.raises(SystemExit, match="--mixed_precision must be auto, no, bf16 or fp16"):
-        runs.resolve_precision("half")
-
-
-def test_an_interrupted_warm_start_resumes_exactly(tiny_lm_dir, demo_world, tmp_path, monkeypatch):
-    """Killed during warm-start step 4 of 5 (state saved every 2 steps): --resume continues from
-    step 2, ends with the straight run's weights bit for bit, and logs each step once."""
-    common = dict(warm_start_steps=5, warm_start_save_every=2)
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "straight", **common))
-    update, calls = train.optimizer_update, []
-
-    def dies_at_step_4(*a, **k):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return update(*a, **k)
-    monkeypatch.setattr(train, "optimizer_update", dies_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", **common))
-    monkeypatch.setattr(train, "optimizer_update", update)
-    assert json.load(open(tmp_path / "resumed" / "warm_start_partial" / "trainer_state.json"))["step"] == 2
-    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / "resumed", resume=True, **common))
-    a, b = state(tmp_path / "straight" / "warm_start"), state(tmp_path / "resumed" / "warm_start")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    rows = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
-    straight = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["loss"] for r in rows] == [r["loss"] for r in straight]
-    assert not (tmp_path / "resumed" / "warm_start_partial").exists()
-
-
-def test_the_warm_start_stays_float32_under_bf16(tiny_lm_dir, demo_world, tmp_path):
-    """--mixed_precision bf16 autocasts GRPO, not the warm start: its weights equal a float32 run's."""
-    from accelerate.state import AcceleratorState
-
-    for precision in ("no", "bf16"):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        try:
-            train.main(warm_args(tiny_lm_dir, demo_world, tmp_path / precision, warm_start_steps=2, mixed_precision=precision))
-        finally:
-            AcceleratorState._reset_state(reset_partial_state=True)
-    a, b = state(tmp_path / "no" / "warm_start"), state(tmp_path / "bf16" / "warm_start")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 # --- memory: frozen copies in the run's precision, rollout chunks, the fp16 scaler (docs/memory_plan.md)
-def test_mixed_precision_auto_on_cuda(monkeypatch):
-    """auto = bf16 on a GPU that supports it (Ampere and later), none on one that does not."""
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for supported, expected in ((True, "bf16"), (False, "no")):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
-        assert runs.resolve_precision("auto") == expected
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # the launcher's choice comes first
-    assert runs.resolve_precision("auto") == "fp16"
-
-
 def test_frozen_copies_follow_the_runs_precision_and_logits_stay_bf16(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path):
     """In a bf16 run the KL reference is a bfloat16 copy (half the bytes of float32), the trained
     weights stay float32, and the forward passes return bf16 logits: accelerate's float32-output

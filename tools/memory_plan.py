@@ -258,7 +258,7 @@ def resident_fsdp(s: Setup, phase: str) -> list[Term]:
         terms.append(Term("gathered params", 4 * (2 * lay + root), "4 x (2 layers + root unit), float32 assumed"))
         terms.append(Term("unsharded grads", 4 * (lay + root), "4 x (1 layer + root unit) before reduce-scatter"))
     if phase == "refresh":
-        terms.append(Term("full state dict", 4 * P, "4 x P: gather_full_weights gathers every tensor at once"))
+        terms.append(Term("full state dict", 4 * P, "4 x P: train.copy_policy_into gathers every tensor at once"))
     return terms
 
 
@@ -629,7 +629,7 @@ def proc_status(key: str) -> float:
 
 
 def reset_peak():
-    """Restart VmHWM from the resident size now (as train.peak_memory(reset=True)), after a trim, so that
+    """Restart VmHWM from the resident size now (as tools/runs.peak_memory(reset=True)), after a trim, so that
     the peak covers the phase and not the model's construction (from_config builds an untied lm_head
     before tying it: V x H x 4 more for a moment)."""
     malloc_trim()
@@ -638,7 +638,7 @@ def reset_peak():
 
 
 def malloc_trim():
-    """glibc: hand freed heap memory back (train.release_freed_memory does this after rollouts and updates)."""
+    """glibc: hand freed heap memory back (tools/runs.release_freed_memory does this after rollouts and updates)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -10,6 +10,7 @@ import ctypes
 import glob
 import json
 import os
+import re
 import shutil
 from collections import Counter
 
@@ -82,9 +83,20 @@ def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
 
 
 def list_checkpoints(output_dir):
-    paths = [p for p in glob.glob(os.path.join(output_dir, "checkpoint-*")) if not p.endswith(".tmp")
+    """The checkpoint-<step>/ folders train.py finished writing, oldest first."""
+    paths = [p for p in glob.glob(os.path.join(output_dir, "checkpoint-*")) if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))
              and os.path.isfile(os.path.join(p, "trainer_state.json"))]
     return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[1]))
+
+
+def newest_checkpoint(path: str) -> str:
+    """What `agent.load_model` loads for `path`: a train.py output folder (no model inside) stands
+    for its newest checkpoint-N/, or its warm_start/ when GRPO has not saved one yet."""
+    is_model = lambda p: any(os.path.isfile(os.path.join(p, f)) for f in ("config.json", "adapter_config.json"))  # noqa: E731
+    if not os.path.isdir(path) or is_model(path):
+        return path
+    found = [p for p in list_checkpoints(path) if is_model(p)] or [p for p in [os.path.join(path, "warm_start")] if is_model(p)]
+    return found[-1] if found else path
 
 
 def resume(accelerator, args) -> int:
@@ -226,3 +238,75 @@ def release_freed_memory():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. evaluate.py's prediction files: one per rank, appended chunk by chunk, resumed, merged
+# ---------------------------------------------------------------------------------------------
+def key(q: dict) -> tuple[str, str]:
+    return q["dataset"], q["id"]
+
+
+def prediction_files(output_dir: str) -> list[str]:
+    merged = os.path.join(output_dir, "predictions.jsonl")
+    return ([merged] if os.path.isfile(merged) else []) + sorted(glob.glob(os.path.join(output_dir, "predictions.rank*.jsonl")))
+
+
+def scan(path: str, warn: bool = True):
+    """(byte offset, record without its turns) for each line. A last line with no newline is a
+    crash mid-write: ignored with a warning, so its question is redone."""
+    offset = 0
+    with open(path, "rb") as f:
+        for k, line in enumerate(f, 1):
+            if not line.endswith(b"\n"):
+                if warn:
+                    print(f"warning: {path}:{k}: truncated last line ignored; its question will be redone")
+                break
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    r = None
+                if not isinstance(r, dict) or "dataset" not in r or "id" not in r:
+                    raise SystemExit(f"evaluate.py: {path}:{k}: not a prediction record")
+                r.pop("turns", None)
+                yield offset, r
+            offset += len(line)
+
+
+def finished(output_dir: str, run: dict, warn: bool = True) -> dict:
+    """{(dataset, id): (file, offset, record)} of every prediction already in output_dir."""
+    done = {}
+    for path in prediction_files(output_dir):
+        for offset, r in scan(path, warn):
+            if r.get("run") != run:
+                raise SystemExit(f"evaluate.py: {path} holds predictions of another run ({r.get('run')}), "
+                                 f"not of {run}; use another --output_dir")
+            done[key(r)] = (path, offset, r)
+    return done
+
+
+def merge(output_dir: str, questions: list[dict], run: dict) -> list[dict]:
+    """Main process: fold every predictions file into predictions.jsonl (this run's questions in
+    dataset and file order, then any others), atomically; then drop the rank files. Returns this
+    run's records (without their turns)."""
+    done = finished(output_dir, run, warn=False)
+    missing = [key(q) for q in questions if key(q) not in done]
+    if missing:
+        raise SystemExit(f"evaluate.py: {len(missing)} questions have no prediction, e.g. {missing[0]}")
+    position = {key(q): k for k, q in enumerate(questions)}
+    order = sorted(done, key=lambda k: position.get(k, len(position)))  # stable: the others keep file order
+    merged, tmp = os.path.join(output_dir, "predictions.jsonl"), os.path.join(output_dir, "predictions.jsonl.tmp")
+    sources = {path: open(path, "rb") for path in prediction_files(output_dir)}
+    with open(tmp, "wb") as out:
+        for k in order:
+            path, offset, _ = done[k]
+            sources[path].seek(offset)
+            out.write(sources[path].readline())
+    for f in sources.values():
+        f.close()
+    os.replace(tmp, merged)
+    for path in sources:
+        if path != merged:
+            os.remove(path)
+    return [done[key(q)][2] for q in questions]

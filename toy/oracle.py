@@ -333,6 +333,7 @@ def main(argv=None):
     ap.add_argument("--show", type=int, default=1, help="print this many kept trajectories")
     args = ap.parse_args(argv)
     import retriever
+    from tools import trajectory
     from transformers import AutoTokenizer
 
     folder, name = os.path.split(agent.default_model_file())
@@ -344,7 +345,7 @@ def main(argv=None):
     for t in trajectories[:args.show]:
         for k, c in enumerate(t.conversations, 1):
             print(f"===== conversation {k} (⟦⟧ = not trained) =====")
-            print(agent.render_conversation(c, tokenizer, color=False))
+            print(trajectory.render_conversation(c, tokenizer, color=False))
     print(json.dumps(stats, indent=1))
 
 
