@@ -219,13 +219,13 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None
     per_token = loss_pg
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
-        d = torch.where(mask, ref_logprobs - logprobs, 0.0)
-        kl = (d.exp() - d - 1).clamp(-10.0, 10.0)
+        ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)
+        kl = (ref_log_ratio.exp() - ref_log_ratio - 1).clamp(-10.0, 10.0)
         per_token = per_token + kl_coef * kl
     if entropy is not None:
         per_token = per_token - entropy_coef * entropy
-    n = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
-    loss = torch.where(mask, per_token, 0.0).sum() / n
+    denominator = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    loss = torch.where(mask, per_token, 0.0).sum() / denominator
 
     with torch.no_grad():
         def mean(x):
@@ -350,7 +350,7 @@ def encode_prefixes(model, micro_batches, p, first_model=None, counter=None):
     ::test_response_logprobs_with_shared_prefixes_equal_plain, and for a whole optimizer update
     tests/test_train.py::test_shared_prefix_update_equals_plain.
     The paper preset's micro-batches of 4, taken by length, mostly mix groups, so there the
-    system prompt is the prefix that counts (13-22% of the tokens a pass encodes).
+    system prompt is the prefix that counts (what it saves: docs/performance.md).
     """
     if p is None:
         return {}, 0.0

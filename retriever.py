@@ -260,7 +260,7 @@ def read_index(path: str, mmap: bool = True) -> faiss.Index:
 def warm_page_cache(path: str, chunk: int = 1 << 20):
     """Read a file once, sequentially, keeping nothing: its pages land in the page cache. faiss
     maps for random access, so on a cold cache a search alone would fault the file in 4 KB at a
-    time (measured 8x slower than this read; see bench/retriever.py)."""
+    time (bench/retriever.py measures how much slower; docs/performance.md)."""
     buf = bytearray(chunk)
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buf):
