@@ -40,8 +40,10 @@ EVAL_LIMIT ?= 50  # a seeded sample of the 200 toy test questions (all of them: 
 # Greedy, as released, but CPU-sized: the release's 20 turns x 512 tokens lets a looping 135M model
 # spend an hour on a few questions; 5 turns (the paper's training limit) x 128 tokens (the toy's).
 EVAL_ARGS ?= --max_turns 5 --max_new_tokens 128
+# Extra train.py flags, e.g. a few-minute run through every stage: TRAIN_ARGS="--warm_start_steps 2 --max_steps 1" EVAL_LIMIT=4
+TRAIN_ARGS ?=
 run: install  ## the main job: warm start + multi-context GRPO on the embedded default, then its evaluation
-	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume
+	$(PYTHON) -m accelerate.commands.launch --num_cpu_threads_per_process $(THREADS) train.py --output_dir $(RUN) --resume $(TRAIN_ARGS)
 	$(PYTHON) evaluate.py --model $(RUN) --output_dir $(RUN)/eval --limit $(EVAL_LIMIT) $(EVAL_ARGS)
 	$(PYTHON) tools/plot_curve.py $(RUN)/metrics.jsonl
 	$(PYTHON) tools/report.py $(RUN) -o $(RUN)/samples.html
