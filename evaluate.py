@@ -9,8 +9,9 @@
 
 As in the paper and its release (docs/design.md): greedy, at most 20 turns, an invalid memory update resets the
 memory; weights in bfloat16 on a GPU, float32 on a CPU (--dtype, part of what a resume matches).
-Data: FlashRAG jsonl (a file per dataset or a folder of them; nq/test.jsonl is named "nq") or
-Search-R1's test parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
+Data: FlashRAG jsonl (a file per dataset, a folder of them, or FlashRAG's folder of dataset folders,
+each benchmark's paper split taken: nq/test.jsonl is "nq", hotpotqa/dev.jsonl "hotpotqa") or
+Search-R1's or the release's parquet (rows carry `data_source`). In --output_dir (default runs/eval/<agent>):
 - predictions.jsonl: every trajectory in full, one line per question (`record`);
 - results.json: {"run", "config", "datasets": {name: metrics}, "average": metrics} (`summarize`);
   "average" is the paper's Avg (mean over datasets) for EM, F1, acc, turns, searches and seconds,
@@ -54,21 +55,52 @@ DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
 PAPER_DATASETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
                   "2wikimultihopqa": "2Wiki", "musique": "MuSiQue", "bamboogle": "Bamboogle"}
 SPLITS = {"train", "dev", "test", "val", "validation"}
+PAPER_SPLIT = {"nq": "test", "triviaqa": "test", "popqa": "test", "bamboogle": "test",  # the splits the paper
+               "hotpotqa": "dev", "2wikimultihopqa": "dev", "musique": "dev"}  # evaluates (FlashRAG's names)
 
 
 def data_files(paths: list[str]) -> list[str]:
+    """The files --data names: files as given; a folder's *.jsonl and *.parquet; FlashRAG's layout
+    (a folder of dataset folders, `nq/test.jsonl`, ...) one level down. A dataset folder's split
+    files (train/dev/test) are never merged: the paper's split of one of its seven benchmarks is
+    taken (`PAPER_SPLIT`), a single split as it is, and several with no rule to choose are an error."""
     files = []
     for path in paths:
-        if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.parquet")))
-            if not found:
-                raise SystemExit(f"evaluate.py: no *.jsonl or *.parquet file in {path}")
-            files += found
-        elif os.path.isfile(path):
+        if os.path.isfile(path):
             files.append(path)
-        else:
+        elif not os.path.isdir(path):
             raise SystemExit(f"evaluate.py: --data not found: {path}")
+        elif folder_files(path):
+            files += split_of(path)
+        else:  # FlashRAG's layout: a folder per dataset
+            folders = sorted(d for d in glob.glob(os.path.join(path, "*")) if os.path.isdir(d) and folder_files(d))
+            if not folders:
+                raise SystemExit(f"evaluate.py: no *.jsonl or *.parquet file in {path} or its folders")
+            files += [f for d in folders for f in split_of(d)]
     return files
+
+
+def folder_files(folder: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "*.jsonl")) + glob.glob(os.path.join(folder, "*.parquet")))
+
+
+def split_of(folder: str) -> list[str]:
+    """A folder's data files, with at most one split file (`split_stem`): its other files come whole."""
+    found = folder_files(folder)
+    splits = [f for f in found if split_stem(f)]
+    if len(splits) <= 1:
+        return found
+    name, names = os.path.basename(os.path.abspath(folder)), ", ".join(os.path.basename(f) for f in splits)
+    wanted = [f for f in splits if split_stem(f) == PAPER_SPLIT.get(name.lower())]
+    if not wanted:
+        raise SystemExit(f"evaluate.py: {folder} holds several splits ({names}) and no rule says which to evaluate "
+                         f"(the paper's split is known for {', '.join(PAPER_SPLIT)}): name the file in --data")
+    return [f for f in found if not split_stem(f)] + wanted
+
+
+def split_stem(path: str) -> str | None:
+    stem = os.path.splitext(os.path.basename(path))[0].lower()
+    return stem if stem in SPLITS else None
 
 
 def paper_order(names) -> list[str]:

@@ -10,10 +10,22 @@ import os
 from collections import Counter
 
 
+def gold_answers(row: dict):
+    """A row's gold answers: FlashRAG's `golden_answers`, else `reward_model.ground_truth`, which is
+    {"target": [...]} in Search-R1's parquet and the list itself in the release's converted parquet
+    (a string counts as one answer; an array, as pyarrow or numpy may give it, as a list)."""
+    golds = row.get("golden_answers")
+    if golds is None:
+        truth = (row.get("reward_model") or {}).get("ground_truth")
+        golds = truth.get("target") if isinstance(truth, dict) else truth
+    golds = golds.tolist() if hasattr(golds, "tolist") else golds
+    return [golds] if isinstance(golds, str) else golds
+
+
 def load_questions(path: str) -> list[dict]:
     """Question rows as {"id", "question", "golden_answers", "dataset"} from FlashRAG jsonl
-    ({"id", "question", "golden_answers": [...]}) or Search-R1 parquet (`question`, `data_source`,
-    `golden_answers` or `reward_model.ground_truth.target`). A bad row is an error naming file and row.
+    ({"id", "question", "golden_answers": [...]}) or Search-R1's or the release's parquet (`question`,
+    `data_source`, and `golden_answers` or `reward_model.ground_truth`: `gold_answers`). A bad row is an error naming file and row.
     Every row gets a distinct `id`: the file's own where it is unique, else `source/id/row<k>`."""
     dataset = os.path.splitext(os.path.basename(path))[0]
     if path.endswith(".parquet"):
@@ -33,10 +45,7 @@ def load_questions(path: str) -> list[dict]:
                         raise ValueError(f"{path}:{k}: not valid JSON ({e.msg})") from None
     questions = []
     for k, row in rows:
-        golds = row.get("golden_answers") if isinstance(row, dict) else None
-        if golds is None and isinstance(row, dict):
-            golds = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
-        golds = [golds] if isinstance(golds, str) else golds
+        golds = gold_answers(row) if isinstance(row, dict) else None
         question = row.get("question") if isinstance(row, dict) else None
         if not isinstance(question, str) or not question.strip():
             raise ValueError(f"{path}:{k}: missing or empty `question`")

@@ -142,8 +142,8 @@ def test_parquet_rows_split_by_data_source(monkeypatch, tmp_path):
 
 
 def test_search_r1_parquet_file(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow
+    import pyarrow.parquet as pq
 
     rows = [{"id": "test_0", "question": "Q0?", "golden_answers": ["a", "A"], "data_source": "musique"},
             {"id": "test_0", "question": "Q1?", "golden_answers": ["b"], "data_source": "bamboogle"}]
@@ -151,6 +151,49 @@ def test_search_r1_parquet_file(tmp_path):
     data = evaluate.load_datasets([str(tmp_path / "test.parquet")])
     assert {n: [(q["question"], q["golden_answers"]) for q in qs] for n, qs in data.items()} == {
         "musique": [("Q0?", ["a", "A"])], "bamboogle": [("Q1?", ["b"])]}
+
+
+def flashrag_layout(root, splits):
+    """FlashRAG's folders: {dataset: [split, ...]}, each split a jsonl file of two rows."""
+    for name, names in splits.items():
+        (root / name).mkdir(parents=True)
+        for split in names:
+            rows = [{"id": f"{split}_{k}", "question": f"{name} {split} {k}?", "golden_answers": ["x"]} for k in range(2)]
+            (root / name / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_flashrag_layout_takes_each_benchmarks_paper_split(tmp_path):
+    """A folder of FlashRAG dataset folders: test for NQ and Bamboogle, dev for HotpotQA (the paper's
+    splits), never train; a dataset folder given alone likewise; several splits of a dataset the
+    paper does not name are an error that names them, never a merge."""
+    flashrag_layout(tmp_path / "flashrag", {"nq": ["train", "dev", "test"], "hotpotqa": ["train", "dev"],
+                                            "bamboogle": ["test"]})
+    data = evaluate.load_datasets([str(tmp_path / "flashrag")])
+    assert {n: sorted({q["question"].split()[1] for q in qs}) for n, qs in data.items()} == {
+        "nq": ["test"], "hotpotqa": ["dev"], "bamboogle": ["test"]}
+    assert list(data) == ["nq", "hotpotqa", "bamboogle"]  # the paper's column order
+    nq = evaluate.load_datasets([str(tmp_path / "flashrag" / "nq")])
+    assert list(nq) == ["nq"] and [q["id"] for q in nq["nq"]] == ["test_0", "test_1"]
+    flashrag_layout(tmp_path / "mine", {"mydata": ["train", "dev"]})
+    with pytest.raises(SystemExit, match=r"several splits \(dev.jsonl, train.jsonl\)"):
+        evaluate.load_datasets([str(tmp_path / "mine")])
+    with pytest.raises(SystemExit, match="no rule says which"):
+        evaluate.load_datasets([str(tmp_path / "mine" / "mydata")])
+    assert list(evaluate.load_datasets([str(tmp_path / "mine" / "mydata" / "dev.jsonl")])) == ["mydata"]
+
+
+def test_the_releases_parquet_with_ground_truth_as_a_list(tmp_path):
+    """The release's converted parquet: `reward_model.ground_truth` is the list of answers itself
+    (Search-R1's is {"target": [...]}); both load, through pyarrow."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    rows = [{"id": "a", "question": "Q0?", "data_source": "nq", "reward_model": {"ground_truth": ["a", "b"], "style": "rule"}},
+            {"id": "b", "question": "Q1?", "data_source": "nq", "reward_model": {"ground_truth": {"target": ["c"]}, "style": "rule"}}]
+    for k, row in enumerate(rows):  # one file each: the two layouts never share a file
+        pq.write_table(pyarrow.Table.from_pylist([row]), tmp_path / f"part{k}.parquet")
+    data = evaluate.load_datasets([str(tmp_path / "part0.parquet"), str(tmp_path / "part1.parquet")])
+    assert [q["golden_answers"] for q in data["nq"]] == [["a", "b"], ["c"]]
 
 
 def test_parquet_needs_pyarrow_and_says_so(tmp_path, monkeypatch):
