@@ -44,7 +44,7 @@ import agent
 import retriever
 from toy.oracle import evidence_share
 from tools import runs
-from data.questions import load_questions
+from data.questions import PAPER_SPLIT, load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
@@ -55,8 +55,6 @@ DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
 PAPER_DATASETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
                   "2wikimultihopqa": "2Wiki", "musique": "MuSiQue", "bamboogle": "Bamboogle"}
 SPLITS = {"train", "dev", "test", "val", "validation"}
-PAPER_SPLIT = {"nq": "test", "triviaqa": "test", "popqa": "test", "bamboogle": "test",  # the splits the paper
-               "hotpotqa": "dev", "2wikimultihopqa": "dev", "musique": "dev"}  # evaluates (FlashRAG's names)
 
 
 def data_files(paths: list[str]) -> list[str]:

@@ -621,6 +621,7 @@ def main(argv=None):
     ap.add_argument("--index", default=None, help="FAISS index (default: built beside the corpus)")
     ap.add_argument("--encoder", default=None, help="encoder name or path (default: embedded MiniLM; paper: intfloat/e5-base-v2)")
     ap.add_argument("--no_mmap", action="store_true", help="read the index into private memory instead of mapping it")
+    ap.add_argument("--device", default=None, help="where the query encoder runs, e.g. cpu or cuda:1 (default: cuda:0 if any, else cpu)")
     ap.add_argument("--topk", type=int, default=5, help="hits per query for `search`")
     ap.add_argument("--doc_format", choices=DOC_FORMATS, default=None,
                     help="`search`: print the documents as the model sees them, in this format (default: hits with scores)")
@@ -631,13 +632,13 @@ def main(argv=None):
     args = ap.parse_intermixed_args(argv)  # queries may follow the options, as in the usage above
 
     if args.command == "build":
-        corp, enc = Corpus(args.corpus or DEFAULT_CORPUS), Encoder(args.encoder)
+        corp, enc = Corpus(args.corpus or DEFAULT_CORPUS), Encoder(args.encoder, device=args.device)
         path = args.index or default_index_path(corp.path, enc.name)
         idx = build_index(corp, enc, path)
         print(f"wrote {path}: {idx.ntotal} vectors of dim {idx.d}")
         return
     retriever = open_retriever(args.corpus, args.index, args.encoder, doc_format=args.doc_format or "search-r1",
-                               mmap=not args.no_mmap)
+                               mmap=not args.no_mmap, device=args.device)
     if args.command == "search":
         if not args.queries:
             ap.error("`search` needs at least one query")

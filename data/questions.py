@@ -9,6 +9,11 @@ import json
 import os
 from collections import Counter
 
+# The split the paper evaluates of each of its seven benchmarks (FlashRAG's folder names): test where
+# FlashRAG has one, else dev (as Search-R1's and the release's evaluation scripts take them).
+PAPER_SPLIT = {"nq": "test", "triviaqa": "test", "popqa": "test", "hotpotqa": "dev", "2wikimultihopqa": "dev",
+               "musique": "dev", "bamboogle": "test"}
+
 
 def gold_answers(row: dict):
     """A row's gold answers: FlashRAG's `golden_answers`, else `reward_model.ground_truth`, which is

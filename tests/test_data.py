@@ -17,3 +17,108 @@ def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
     import grpo
     adv = grpo.group_advantages([1.0, 0.0, 0.0, 1.0], [ids[0], ids[0], ids[1], ids[1]])  # two groups, not one
     assert adv.tolist() == pytest.approx([0.7071, -0.7071, -0.7071, 0.7071], abs=1e-4)
+
+
+# --- data/download.py against a stand-in hub on 127.0.0.1 (HF_ENDPOINT), the real hf_hub_download --
+class StandInHub:
+    """The hub's file protocol for dataset repositories, enough for hf_hub_download: HEAD and GET
+    /datasets/<repo>/resolve/<revision>/<path>, with the commit, ETag and size headers. Counts GETs."""
+
+    def __init__(self, files: dict):
+        import hashlib
+        import http.server
+        import threading
+
+        hub = self
+        self.files, self.gets = files, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, body_too):
+                parts = self.path.split("?")[0].split("/")  # /datasets/<owner>/<name>/resolve/<rev>/<path...>
+                key = ("/".join(parts[2:4]), "/".join(parts[6:])) if len(parts) > 6 and parts[4] == "resolve" else None
+                if key not in hub.files:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.end_headers()
+                    return
+                body = hub.files[key]
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", "0" * 40)
+                self.send_header("ETag", '"%s"' % hashlib.sha1(body).hexdigest())
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if body_too:
+                    hub.gets.append(key)
+                    self.wfile.write(body)
+
+            def do_HEAD(self):
+                self.reply(False)
+
+            def do_GET(self):
+                self.reply(True)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def run_download(what, out, endpoint):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(out / ".hf"), HF_HUB_DISABLE_TELEMETRY="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "data", "download.py"), what, "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_download_all_from_a_stand_in_hub(tmp_path):
+    """Every file in its real layout: the parquet files, the seven benchmarks in their paper splits,
+    the corpus gunzipped and the index joined from its parts; a second run fetches nothing; the
+    files load; a hub that cannot be reached is an error naming the file and the endpoint."""
+    import gzip
+    import io
+
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    from data import questions
+
+    def parquet(rows):
+        sink = io.BytesIO()
+        pq.write_table(pyarrow.Table.from_pylist(rows), sink)
+        return sink.getvalue()
+
+    train_rows = [{"id": "train_0", "question": "Who?", "golden_answers": ["x"], "data_source": "nq"},
+                  {"id": "train_0", "question": "Where?", "golden_answers": ["y"], "data_source": "hotpotqa"}]
+    corpus = b'{"id": "0", "contents": "\\"Title\\"\\nText."}\n'
+    index = bytes(range(256)) * 3
+    files = {("PeterJinGo/nq_hotpotqa_train", "train.parquet"): parquet(train_rows),
+             ("PeterJinGo/nq_hotpotqa_train", "test.parquet"): parquet(train_rows[:1]),
+             ("PeterJinGo/wiki-18-corpus", "wiki-18.jsonl.gz"): gzip.compress(corpus),
+             ("PeterJinGo/wiki-18-e5-index", "part_aa"): index[:500], ("PeterJinGo/wiki-18-e5-index", "part_ab"): index[500:]}
+    for name, split in questions.PAPER_SPLIT.items():
+        files["RUC-NLPIR/FlashRAG_datasets", f"{name}/{split}.jsonl"] = json.dumps(
+            {"id": f"{split}_0", "question": f"{name}?", "golden_answers": ["z"]}).encode() + b"\n"
+    hub = StandInHub(files)
+    out = tmp_path / "paper"
+    done = run_download("all", out, hub.url)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(hub.gets) == sorted(files)  # each file once
+    assert (out / "wiki-18.jsonl").read_bytes() == corpus and (out / "e5_Flat.index").read_bytes() == index
+    assert not (out / ".download").exists()
+    assert [q["id"] for q in questions.load_questions(str(out / "nq_hotpotqa_train" / "train.parquet"))] == [
+        "nq/train_0/row1", "hotpotqa/train_0/row2"]
+    assert sorted(p.parent.name + "/" + p.name for p in (out / "flashrag").glob("*/*.jsonl")) == sorted(
+        f"{n}/{s}.jsonl" for n, s in questions.PAPER_SPLIT.items())
+    assert "Next:" in done.stdout and "retriever.py serve --corpus" in done.stdout
+    again = run_download("all", out, hub.url)
+    assert again.returncode == 0 and len(hub.gets) == len(files) and again.stdout.count("skip ") == len(files) - 1  # the index: one file of two parts
+    gone = run_download("train", tmp_path / "elsewhere", "http://127.0.0.1:9")
+    assert gone.returncode != 0
+    assert "could not fetch train.parquet of the dataset PeterJinGo/nq_hotpotqa_train from http://127.0.0.1:9" in gone.stderr

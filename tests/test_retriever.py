@@ -213,6 +213,18 @@ def test_search_command_prints_the_chosen_doc_format(tmp_path, tiny_encoder_dir,
     assert capsys.readouterr().out.count("(Title: ") == 2
 
 
+def test_the_command_line_puts_the_encoder_on_the_device_named(tmp_path, tiny_encoder_dir, monkeypatch):
+    """`retriever.py serve|search|build --device D`: the query encoder lands on D (a multi-GPU node
+    serves from the GPU it names, not cuda:0 whatever the rank)."""
+    path = write_corpus(tmp_path / "c.jsonl")
+    devices = []
+    encoder = R.Encoder
+    monkeypatch.setattr(R, "Encoder", lambda name, device=None, **k: devices.append(device) or encoder(name, device=device, **k))
+    R.main(["build", "--corpus", path, "--encoder", tiny_encoder_dir, "--device", "cpu"])
+    R.main(["search", "--corpus", path, "--encoder", tiny_encoder_dir, "--device", "cpu", "glass"])
+    assert devices == ["cpu", "cpu"]
+
+
 def test_read_index_falls_back_without_the_mmap_flag(tmp_path, local, monkeypatch):
     path = str(tmp_path / "flat.index")
     faiss.write_index(local.index, path)
