@@ -25,6 +25,7 @@ into predictions.jsonl at the end; a rerun into the same folder skips finished q
 1. data   2. metrics   3. evaluation (sharded, resumable)   4. aggregation   5. reports   6. main
 """
 import argparse
+import ast
 import glob
 import itertools
 import json
@@ -44,7 +45,7 @@ import agent
 import retriever
 from toy.oracle import evidence_share
 from tools import runs
-from data.questions import PAPER_SPLIT, load_questions
+from data.questions import SPLITS, data_files, load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
@@ -54,51 +55,6 @@ DEFAULT_DATA = os.path.join(HERE, "data", "toy", "test.jsonl")
 # ---------------------------------------------------------------------------------------------
 PAPER_DATASETS = {"nq": "NQ", "triviaqa": "TriviaQA", "popqa": "PopQA", "hotpotqa": "HotpotQA",
                   "2wikimultihopqa": "2Wiki", "musique": "MuSiQue", "bamboogle": "Bamboogle"}
-SPLITS = {"train", "dev", "test", "val", "validation"}
-
-
-def data_files(paths: list[str]) -> list[str]:
-    """The files --data names: files as given; a folder's *.jsonl and *.parquet; FlashRAG's layout
-    (a folder of dataset folders, `nq/test.jsonl`, ...) one level down. A dataset folder's split
-    files (train/dev/test) are never merged: the paper's split of one of its seven benchmarks is
-    taken (`PAPER_SPLIT`), a single split as it is, and several with no rule to choose are an error."""
-    files = []
-    for path in paths:
-        if os.path.isfile(path):
-            files.append(path)
-        elif not os.path.isdir(path):
-            raise SystemExit(f"evaluate.py: --data not found: {path}")
-        elif folder_files(path):
-            files += split_of(path)
-        else:  # FlashRAG's layout: a folder per dataset
-            folders = sorted(d for d in glob.glob(os.path.join(path, "*")) if os.path.isdir(d) and folder_files(d))
-            if not folders:
-                raise SystemExit(f"evaluate.py: no *.jsonl or *.parquet file in {path} or its folders")
-            files += [f for d in folders for f in split_of(d)]
-    return files
-
-
-def folder_files(folder: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(folder, "*.jsonl")) + glob.glob(os.path.join(folder, "*.parquet")))
-
-
-def split_of(folder: str) -> list[str]:
-    """A folder's data files, with at most one split file (`split_stem`): its other files come whole."""
-    found = folder_files(folder)
-    splits = [f for f in found if split_stem(f)]
-    if len(splits) <= 1:
-        return found
-    name, names = os.path.basename(os.path.abspath(folder)), ", ".join(os.path.basename(f) for f in splits)
-    wanted = [f for f in splits if split_stem(f) == PAPER_SPLIT.get(name.lower())]
-    if not wanted:
-        raise SystemExit(f"evaluate.py: {folder} holds several splits ({names}) and no rule says which to evaluate "
-                         f"(the paper's split is known for {', '.join(PAPER_SPLIT)}): name the file in --data")
-    return [f for f in found if not split_stem(f)] + wanted
-
-
-def split_stem(path: str) -> str | None:
-    stem = os.path.splitext(os.path.basename(path))[0].lower()
-    return stem if stem in SPLITS else None
 
 
 def paper_order(names) -> list[str]:
@@ -111,7 +67,11 @@ def load_datasets(paths: list[str], limit: int | None = None, seed: int = 0) -> 
     """Every question of every file; a bad row stops everything with its file and line. `limit`
     keeps a seeded sample per dataset (a prefix of one fixed shuffle: raising it keeps old picks)."""
     datasets = {}
-    for path in data_files(paths):
+    try:
+        files = data_files(paths)
+    except ValueError as e:
+        raise SystemExit(f"evaluate.py: {e}") from None
+    for path in files:
         stem = os.path.splitext(os.path.basename(path))[0]
         folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
         try:
@@ -133,6 +93,31 @@ def load_datasets(paths: list[str], limit: int | None = None, seed: int = 0) -> 
             random.Random(seed).shuffle(order)
             datasets[name] = [questions[i] for i in sorted(order[:limit])]
     return {name: datasets[name] for name in paper_order(datasets)}
+
+
+RELEASE_CLIENT = os.path.join("memsearcher", "inference", "memsearcher.py")  # in a clone of the release
+
+
+def release_prompts(clone: str) -> dict:
+    """The release's own prompt texts, read at run time from a clone of it (nothing of them is kept
+    here): in its evaluation client, the last `system_prompt` class MemSearcher assigns, and the
+    instruction its `cat_tool_results` writes after each `</tool_response>`. Parsed, not run."""
+    path = os.path.join(clone, RELEASE_CLIENT)
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError) as e:
+        raise SystemExit(f"evaluate.py: --release_prompts: cannot read {path} ({e})") from None
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MemSearcher"), [])
+    systems = [n.value.value for n in body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+               and any(getattr(t, "id", None) == "system_prompt" for t in n.targets)]
+    method = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == "cat_tool_results"]
+    texts = [c.value for m in method for f in ast.walk(m) if isinstance(f, ast.JoinedStr) for c in f.values
+             if isinstance(c, ast.Constant) and "</tool_response>\n" in c.value]
+    if not systems or not texts:
+        raise SystemExit(f"evaluate.py: --release_prompts: {path} has no MemSearcher.system_prompt and cat_tool_results "
+                         "text where the release keeps them (another version of the release?)")
+    return {"system_prompt": systems[-1].strip(), "memory_instruction": texts[-1].split("</tool_response>\n", 1)[1].strip()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,6 +389,8 @@ def parse_args(argv=None):
     ap.add_argument("--doc_format", default="release", choices=["release", "search-r1"], help="how results are shown")
     ap.add_argument("--system_prompt", default=None, help="a file with the system prompt (e.g. the release's wording)")
     ap.add_argument("--memory_instruction", default=None, help="a file with the memory-update instruction")
+    ap.add_argument("--release_prompts", default=None, metavar="CLONE",
+                    help="a clone of the release: its own system prompt and memory instruction, read from its evaluation client")
     ap.add_argument("--compare", nargs="+", metavar="RESULTS_JSON", help="print these runs side by side and exit")
     return ap.parse_args(argv)
 
@@ -418,7 +405,10 @@ def main(argv=None, generate_fn=None):
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     datasets = load_datasets(args.data, args.limit, args.seed)  # a bad row fails here, before any model loads
     questions = [q for qs in datasets.values() for q in qs]
-    prompts = agent.read_prompts(args.agent, args.system_prompt, args.memory_instruction)
+    if args.release_prompts and (args.system_prompt or args.memory_instruction):
+        raise SystemExit("evaluate.py: --release_prompts reads both prompt texts; give it without --system_prompt/--memory_instruction")
+    prompts = (release_prompts(args.release_prompts) if args.release_prompts
+               else agent.read_prompts(args.agent, args.system_prompt, args.memory_instruction))
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     run = {"agent": args.agent, "model": args.model, "dtype": dtype, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
            "max_memory_tokens": args.max_memory_tokens, "doc_format": args.doc_format, "default_top_n": args.default_top_n,

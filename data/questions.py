@@ -5,6 +5,7 @@
 
 The id keys a GRPO group (the G rollouts of one row) and evaluation's resume, so it must be unique.
 """
+import glob
 import json
 import os
 from collections import Counter
@@ -13,6 +14,7 @@ from collections import Counter
 # FlashRAG has one, else dev (as Search-R1's and the release's evaluation scripts take them).
 PAPER_SPLIT = {"nq": "test", "triviaqa": "test", "popqa": "test", "hotpotqa": "dev", "2wikimultihopqa": "dev",
                "musique": "dev", "bamboogle": "test"}
+SPLITS = {"train", "dev", "test", "val", "validation"}
 
 
 def gold_answers(row: dict):
@@ -68,3 +70,47 @@ def load_questions(path: str) -> list[dict]:
             q["id"] = "/".join(x for x in (q["dataset"], q["id"], f"row{q['row']}") if x)
         del q["row"]
     return questions
+
+
+def data_files(paths: list[str]) -> list[str]:
+    """The files evaluate.py --data names: files as given; a folder's *.jsonl and *.parquet; FlashRAG's layout
+    (a folder of dataset folders, `nq/test.jsonl`, ...) one level down. A dataset folder's split
+    files (train/dev/test) are never merged: the paper's split of one of its seven benchmarks is
+    taken (`PAPER_SPLIT`), a single split as it is, and several with no rule to choose are an error."""
+    files = []
+    for path in paths:
+        if os.path.isfile(path):
+            files.append(path)
+        elif not os.path.isdir(path):
+            raise ValueError(f"--data not found: {path}")
+        elif folder_files(path):
+            files += split_of(path)
+        else:  # FlashRAG's layout: a folder per dataset
+            folders = sorted(d for d in glob.glob(os.path.join(path, "*")) if os.path.isdir(d) and folder_files(d))
+            if not folders:
+                raise ValueError(f"no *.jsonl or *.parquet file in {path} or its folders")
+            files += [f for d in folders for f in split_of(d)]
+    return files
+
+
+def folder_files(folder: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "*.jsonl")) + glob.glob(os.path.join(folder, "*.parquet")))
+
+
+def split_of(folder: str) -> list[str]:
+    """A folder's data files, with at most one split file (`split_stem`): its other files come whole."""
+    found = folder_files(folder)
+    splits = [f for f in found if split_stem(f)]
+    if len(splits) <= 1:
+        return found
+    name, names = os.path.basename(os.path.abspath(folder)), ", ".join(os.path.basename(f) for f in splits)
+    wanted = [f for f in splits if split_stem(f) == PAPER_SPLIT.get(name.lower())]
+    if not wanted:
+        raise ValueError(f"{folder} holds several splits ({names}) and no rule says which to evaluate "
+                         f"(the paper's split is known for {', '.join(PAPER_SPLIT)}): name the file in --data")
+    return [f for f in found if not split_stem(f)] + wanted
+
+
+def split_stem(path: str) -> str | None:
+    stem = os.path.splitext(os.path.basename(path))[0].lower()
+    return stem if stem in SPLITS else None

@@ -391,3 +391,41 @@ def test_a_failing_report_leaves_the_results(tmp_path, capsys):
     (tmp_path / "predictions.jsonl").write_text("not json\n{}\n")
     evaluate.html_report(str(tmp_path))
     assert "warning: no report.html" in capsys.readouterr().out and not os.path.exists(tmp_path / "report.html")
+
+
+def test_release_prompts_are_read_from_a_clone_of_the_release(tmp_path):
+    """--release_prompts CLONE parses the release's evaluation client (not run, not copied): the last
+    system_prompt class MemSearcher assigns, and the instruction after each </tool_response>. A stand-in
+    file of the same shape with made-up texts; a clone without it, or of another shape, is a clear error."""
+    client = tmp_path / "clone" / "memsearcher" / "inference"
+    client.mkdir(parents=True)
+    (client / "memsearcher.py").write_text('''import os
+
+class MemSearcher():
+    system_prompt = """an older prompt"""
+
+    system_prompt = """You answer with \\\\boxed{} after searching.
+Second line."""
+
+    def cat_tool_results(self, curr_prompt, tool_calls, results):
+        text = ""
+        for tool_call, result in zip(tool_calls, results):
+            text += f"<tool_response>{tool_call}\\n{result}\\n</tool_response>\\nWrite the new memory in <memory> </memory>."
+        return curr_prompt + text
+
+    def run(self):
+        raise RuntimeError("never run")
+''')
+    prompts = evaluate.release_prompts(str(tmp_path / "clone"))
+    assert prompts == {"system_prompt": "You answer with \\boxed{} after searching.\nSecond line.",
+                       "memory_instruction": "Write the new memory in <memory> </memory>."}
+    turn = agent.tool_response_turn([{"body": "{}"}], ["doc"], prompts["memory_instruction"])
+    assert "</tool_response>\nWrite the new memory in <memory> </memory>.<|im_end|>" in turn  # as the release writes it
+    with pytest.raises(SystemExit, match="cannot read .*memsearcher.py"):
+        evaluate.release_prompts(str(tmp_path / "nothing"))
+    (client / "memsearcher.py").write_text("class Other:\n    pass\n")
+    with pytest.raises(SystemExit, match="no MemSearcher.system_prompt"):
+        evaluate.release_prompts(str(tmp_path / "clone"))
+    with pytest.raises(SystemExit, match="without --system_prompt"):
+        evaluate.main(["--release_prompts", str(tmp_path / "clone"), "--system_prompt", str(client / "memsearcher.py"),
+                       "--output_dir", str(tmp_path / "out")])
