@@ -38,8 +38,9 @@ install: $(STAMP)  ## torch first (keeps an existing CUDA build; else the pinned
 RUN ?= runs/memsearcher
 EVAL_LIMIT ?= 50  # a seeded sample of the 200 toy test questions (all of them: EVAL_LIMIT=200)
 # Greedy, as released, but CPU-sized: the release's 20 turns x 512 tokens lets a looping 135M model
-# spend an hour on a few questions; 5 turns (the paper's training limit) x 128 tokens (the toy's).
-EVAL_ARGS ?= --max_turns 5 --max_new_tokens 128
+# spend an hour on a few questions; 5 turns (the paper's training limit) x 128 tokens (the toy's), and the
+# tool's top_n as the toy preset trains it (5 by default, at most 10; evaluation's own default is the release's).
+EVAL_ARGS ?= --max_turns 5 --max_new_tokens 128 --default_top_n 5 --max_top_n 10
 # Extra train.py flags, e.g. a few-minute run through every stage: TRAIN_ARGS="--warm_start_steps 2 --max_steps 1" EVAL_LIMIT=4
 TRAIN_ARGS ?=
 run: install  ## the main job: warm start + multi-context GRPO on the embedded default, then its evaluation

@@ -66,7 +66,7 @@ def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32,
     check_transformers()
     path = default_model_file() if name in (None, "default") else runs.newest_checkpoint(name)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA checkpoint of train.py
-        return load_merged(path, dtype, device)
+        return runs.load_merged(path, dtype, device)
     kwargs = {}
     if path.endswith(".gguf"):
         if importlib.util.find_spec("gguf") is None:
@@ -113,30 +113,6 @@ def add_adapter(model, rank: int, alpha: float, target_modules: str):
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
                              target_modules=[m.strip() for m in target_modules.split(",") if m.strip()])
     return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
-
-
-def load_merged(path: str, dtype: torch.dtype = torch.float32, device=None):
-    """A LoRA checkpoint of train.py (adapter_config.json, adapter weights, tokenizer, and
-    trainer_state.json naming the base model): the base with the adapter merged into its weights,
-    an ordinary model (for evaluation, or to continue training from)."""
-    peft = peft_module()
-    state = os.path.join(path, "trainer_state.json")
-    base = (json.load(open(state))["args"]["model"] if os.path.isfile(state)
-            else json.load(open(os.path.join(path, "adapter_config.json")))["base_model_name_or_path"])
-    model, _ = load_model(base, dtype=dtype)
-    model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
-    tokenizer = load_tokenizer(path, {})
-    if device is not None:
-        model.to(device)
-    return model, tokenizer
-
-
-def save_merged(checkpoint: str, output_dir: str):
-    """Merge a LoRA checkpoint into its base and save a plain model folder (loadable by transformers
-    and vLLM):  python -c "import agent; agent.save_merged('runs/lora/checkpoint-20', 'runs/lora/merged')" """
-    model, tokenizer = load_merged(checkpoint)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,11 +222,14 @@ def tags_in_order(text: str, tag: str) -> bool:
     return all(m == ("/" if k % 2 else "") for k, m in enumerate(marks)) and len(marks) % 2 == 0
 
 
-def parse_tool_calls(text: str, default_top_n: int = DEFAULT_TOP_N) -> list[dict]:
+def parse_tool_calls(text: str, default_top_n: int = DEFAULT_TOP_N, max_top_n: int | None = MAX_TOP_N,
+                     tool_error=None) -> list[dict]:
     """Every `<tool_call>...</tool_call>` body -> {"body", "query", "top_n", "error"}; [] when the
     tags are unbalanced or misordered (then there is no tool call). A body that is not a JSON
     object, or has no non-empty string query, still gets a tool response: its error text. The tool
-    name is not checked (as released); top_n falls back to `default_top_n` and is clamped to 1..MAX_TOP_N."""
+    name is not checked (as released); top_n falls back to `default_top_n` and is clamped to
+    1..max_top_n (None: no cap). `tool_error(parsed JSON) -> text or None` replaces our checks and
+    texts (evaluate.py's `release_tool_error`: the release's; its queries are then not stripped)."""
     if not tags_in_order(text, "tool_call"):
         return []
     calls = []
@@ -261,14 +240,17 @@ def parse_tool_calls(text: str, default_top_n: int = DEFAULT_TOP_N) -> list[dict
         except json.JSONDecodeError:
             parsed = None
         args = parsed.get("arguments") if isinstance(parsed, dict) else None
-        if not isinstance(args, dict):
+        if tool_error is not None:
+            call["error"] = tool_error(parsed)
+        elif not isinstance(args, dict):
             call["error"] = "Error: failed to parse the tool call (a JSON object with `name` and `arguments` is expected)."
         elif not isinstance(args.get("query"), str) or not args["query"].strip():
             call["error"] = "Error: invalid query."
-        else:
+        if call["error"] is None:
             top_n = args.get("top_n", default_top_n)
-            top_n = default_top_n if isinstance(top_n, bool) or not isinstance(top_n, int) else top_n
-            call.update(query=args["query"].strip(), top_n=min(max(top_n, 1), MAX_TOP_N))
+            top_n = max(default_top_n if isinstance(top_n, bool) or not isinstance(top_n, int) else top_n, 1)
+            call.update(query=args["query"] if tool_error else args["query"].strip(),
+                        top_n=top_n if max_top_n is None else min(top_n, max_top_n))
         calls.append(call)
     return calls
 
@@ -430,6 +412,8 @@ class RolloutSettings:
     greedy: bool = False
     evaluation: bool = False  # the release's evaluation loop: an unusable memory becomes empty, and so on
     default_top_n: int = DEFAULT_TOP_N  # passages for a tool call without top_n
+    max_top_n: int | None = MAX_TOP_N  # the most a call may ask for (None: no cap, as released)
+    tool_error: object = None  # f(parsed call) -> error text or None, replacing ours (parse_tool_calls)
     system_prompt: str | None = None  # None: ours (`read_prompts` reads the release's from files)
     memory_instruction: str | None = None
 
@@ -453,6 +437,13 @@ def stop_token_ids(tokenizer) -> list[int]:
     """Generation stops at the end of turn, and also at `<|im_start|>` (an illegal stop, as released)."""
     start = tokenizer.convert_tokens_to_ids(START_OF_TURN)
     return sorted(set(end_of_turn_ids(tokenizer)) | ({start} if start not in (None, tokenizer.unk_token_id) else set()))
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Where the release's evaluation (SGLang) stops: the model's generation-config eos ids (Qwen2.5:
+    `<|im_end|>`, `<|endoftext|>`) and the tokenizer's end of turn, never `<|im_start|>`."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return sorted({*([ids] if isinstance(ids, int) else ids or []), *end_of_turn_ids(tokenizer)})
 
 
 def make_recorder(temperature: float):
@@ -487,17 +478,17 @@ def left_pad(rows: list[list[int]], pad: int, device):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int = 512, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, greedy: bool = False) -> list[Generation]:
+             top_p: float = 1.0, top_k: int = 0, greedy: bool = False, stop_ids=None) -> list[Generation]:
     """One left-padded `generate` call over all prompts (KV cache on, eval mode), every prompt prefilled whole."""
     if not prompts:
         return []
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, model.device)
     return _generate(model, tokenizer, ids, mask, None, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, greedy=greedy)[0]
+                     top_p=top_p, top_k=top_k, greedy=greedy, stop_ids=stop_ids)[0]
 
 
 def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tokens=512, temperature=1.0, top_p=1.0, top_k=0,
-              greedy=False):
+              greedy=False, stop_ids=None):
     """HF `generate` from `input_ids` (the first `cache.get_seq_length()` of them already in `cache`);
     returns (generations, the full sequences [B, L + new], the cache of all but their last column)."""
     from transformers import GenerationConfig
@@ -506,7 +497,7 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
     width = input_ids.shape[1]
     temperature = 1.0 if greedy else temperature
     recorder = make_recorder(temperature)
-    stop = stop_token_ids(tokenizer)
+    stop = stop_ids or stop_token_ids(tokenizer)
     warpers = {} if greedy else dict(temperature=temperature, top_p=top_p, top_k=top_k)
     config = GenerationConfig(  # explicit values, so no default from the model's config sneaks in
         max_new_tokens=max_new_tokens, do_sample=not greedy, repetition_penalty=1.0, num_beams=1,
@@ -552,8 +543,13 @@ def rollout(model, tokenizer, questions: list[dict], search, settings: RolloutSe
     trajectories = [Trajectory(qid=str(q["id"]), question=q["question"], golden_answers=list(q["golden_answers"]))
                     for q in questions for _ in range(group_size)]
     sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, greedy=s.greedy)
-    generate_fn = generate_fn or CachedGenerate()  # the speedup of `generate` (section 9)
+    generate_fn = generate_fn or CachedGenerate()  # the speedup of `generate` (section 8)
     gen = lambda prompts: generate_fn(model, tokenizer, prompts, **sampling)  # noqa: E731
+    if s.evaluation:  # as the release's client calls SGLang: stop at the eos ids only, `<|im_end|>` after every response
+        sampling["stop_ids"], im_end = eos_ids(model, tokenizer), tokenizer.convert_tokens_to_ids(END_OF_TURN)
+        gen = lambda prompts: [Generation((o.ids[:-1] if o.finished else o.ids) + [im_end],  # noqa: E731
+                                          o.logprobs[:len(o.ids) - o.finished] + [0.0], o.finished)
+                               for o in generate_fn(model, tokenizer, prompts, **sampling)]
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731 -- for logs and reward only
     illegal = tokenizer.convert_tokens_to_ids(START_OF_TURN)
     instruction = (s.memory_instruction or MEMORY_INSTRUCTION) if s.agent == "memsearcher" else None
@@ -570,7 +566,7 @@ def rollout(model, tokenizer, questions: list[dict], search, settings: RolloutSe
                 prompt = memsearcher_prompt(t.question, t.memory, s.system_prompt or SYSTEM_PROMPT)
                 t.conversations.append(Conversation(encode(tokenizer, prompt)))
         # Phase 1: reason, then answer or call the search tool.
-        searching = reason_and_act(active, gen, decode, illegal, s.evaluation, s.default_top_n)
+        searching = reason_and_act(active, gen, decode, illegal, s)
         updating = run_searches(searching, search, tokenizer, instruction, s.max_response_tokens)
         # Phase 2 (MemSearcher): read the results and rewrite the memory.
         if s.agent == "memsearcher" and updating:
@@ -580,10 +576,12 @@ def rollout(model, tokenizer, questions: list[dict], search, settings: RolloutSe
     end_of_turn = set(end_of_turn_ids(tokenizer))
     for t in trajectories:
         score(t, decode, end_of_turn, s.evaluation)
+        if s.evaluation and s.agent == "memsearcher" and t.end_reason == "max_turns" and t.turns[-1].get("queries"):
+            t.prediction = None  # as released: the last text is then a fresh prompt, with no answer in it
     return trajectories
 
 
-def reason_and_act(active, gen, decode, illegal, evaluation, default_top_n):
+def reason_and_act(active, gen, decode, illegal, s: RolloutSettings):
     """Phase 1: one generation per active trajectory, from its last conversation. It ends the
     trajectory (an answer, no tool call, an illegal stop, the token limit) or calls the tool;
     returns [(trajectory, conversation, calls)] of those that search."""
@@ -595,10 +593,10 @@ def reason_and_act(active, gen, decode, illegal, evaluation, default_top_n):
         t.turns.append(log)
         t.num_turns += 1
         c.append(out.ids, trained=True, logprobs=out.logprobs)
-        calls = parse_tool_calls(log["generation"], default_top_n)
+        calls = parse_tool_calls(log["generation"], s.default_top_n, s.max_top_n, s.tool_error)
         if out.ids and out.ids[-1] == illegal:
             t.end_reason = "illegal_stop"
-        elif not out.finished and not (evaluation and calls):
+        elif not out.finished and not (s.evaluation and calls):
             t.end_reason = "length"
         elif calls:
             log["queries"] = [call["query"] for call in calls]

@@ -120,6 +120,23 @@ def release_prompts(clone: str) -> dict:
     return {"system_prompt": systems[-1].strip(), "memory_instruction": texts[-1].split("</tool_response>\n", 1)[1].strip()}
 
 
+def release_tool_error(parsed) -> str | None:
+    """The release's tool checks and texts (its evaluation client and training rollout alike), for
+    `--release_prompts`: no `arguments` -> "Parse tool call failed"; arguments not an object ->
+    "Parse query failed"; an empty query -> "invalid query"; what its server refuses (a query not a
+    string, a top_n not an integer >= 1) -> its status, "error: 400"; else None (the call runs)."""
+    if not isinstance(parsed, dict) or "arguments" not in parsed:
+        return "Parse tool call failed"
+    args = parsed["arguments"]
+    if not isinstance(args, dict):
+        return "Parse query failed"
+    query, top_n = args.get("query", ""), args.get("top_n", 1)
+    if query == "":
+        return "invalid query"
+    bad_top_n = isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1
+    return "error: 400" if not isinstance(query, str) or bad_top_n else None
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Metrics: EM and F1 are agent.py's (the reward's normalisation); acc is cover EM
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +172,8 @@ def evaluate_shard(model, tokenizer, search, questions, args, run, path, generat
     settings = agent.RolloutSettings(
         agent=args.agent, greedy=True, evaluation=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
         max_memory_tokens=args.max_memory_tokens, max_response_tokens=args.max_response_tokens,
-        default_top_n=args.default_top_n, system_prompt=run["system_prompt"], memory_instruction=run["memory_instruction"])
+        default_top_n=args.default_top_n, max_top_n=args.max_top_n, system_prompt=run["system_prompt"],
+        memory_instruction=run["memory_instruction"], tool_error=release_tool_error if run["tool_texts"] == "release" else None)
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(questions), disable=not show_progress, desc="questions") as bar:
         for chunk in chunks:
             runs.peak_memory(reset=True)
@@ -383,7 +401,8 @@ def parse_args(argv=None):
     ap.add_argument("--max_new_tokens", type=int, default=512)
     ap.add_argument("--max_memory_tokens", type=int, default=None, help="memory cap (none by default, as released)")
     ap.add_argument("--max_response_tokens", type=int, default=16384, help="a conversation's response budget (ReAct grows)")
-    ap.add_argument("--default_top_n", type=int, default=5, help="passages for a call without top_n (the release's server: 10)")
+    ap.add_argument("--default_top_n", type=int, default=10, help="passages for a call without top_n (10: the release's server)")
+    ap.add_argument("--max_top_n", type=int, default=None, help="the most passages a call may ask for (none, as released; training: 10)")
     ap.add_argument("--retriever_timeout", type=float, default=300.0, help="seconds a request to --retriever_url may take before it is tried again")
     ap.add_argument("--retriever_retries", type=int, default=5, help="tries after the first for a failed request (timeouts, 5xx), waits 1, 2, 4, ... s")
     ap.add_argument("--doc_format", default="release", choices=["release", "search-r1"], help="how results are shown")
@@ -412,6 +431,7 @@ def main(argv=None, generate_fn=None):
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if device.type == "cuda" else "float32"
     run = {"agent": args.agent, "model": args.model, "dtype": dtype, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
            "max_memory_tokens": args.max_memory_tokens, "doc_format": args.doc_format, "default_top_n": args.default_top_n,
+           "max_top_n": args.max_top_n, "tool_texts": "release" if args.release_prompts else "ours",
            **prompts,
            "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
     os.makedirs(args.output_dir, exist_ok=True)

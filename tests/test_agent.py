@@ -200,11 +200,11 @@ def test_illegal_stop_at_im_start_ends_the_trajectory(tokenizer):
         ids = agent.encode(tok, " ok</think>\n\\boxed{Osk}") + [im_start]
         return [Generation(ids=ids, logprobs=[-1.0] * len(ids), finished=True) for _ in prompts]
 
-    for kw in ({}, EVAL):
-        (t,) = agent.rollout(None, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(**kw), generate_fn=generate_fn)
-        c = t.conversations[0]
-        assert (t.end_reason, t.reward) == ("illegal_stop", 0.0)  # not ended by the end-of-turn token
-        assert c.response_ids[-1] == im_start and c.loss_mask[-1] == 1  # kept, and trained
+    (t,) = agent.rollout(None, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(), generate_fn=generate_fn)
+    c = t.conversations[0]
+    assert (t.end_reason, t.reward) == ("illegal_stop", 0.0)  # not ended by the end-of-turn token
+    assert c.response_ids[-1] == im_start and c.loss_mask[-1] == 1  # kept, and trained
+    # (evaluation does not stop there: tests/test_agent.py::test_evaluation_generates_as_the_release_calls_sglang)
 
 
 @pytest.mark.parametrize("update,train_end,eval_memory", [
@@ -594,3 +594,64 @@ def test_default_model_loads_trains_and_saves(tmp_path):
     reloaded, _ = agent.load_model(str(tmp_path))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
+
+
+
+# --- evaluation as the release's client runs it (SGLang /generate, its tool calls) ------------------
+def test_evaluation_generates_as_the_release_calls_sglang(tokenizer):
+    """In evaluation a generation stops at the model's generation-config eos ids only (SGLang), not at
+    <|im_start|>; the client writes <|im_end|> after every response: after a cut one (whose tool call
+    still runs), and in place of another eos that ended one. Training stops at <|im_start|> too."""
+    from types import SimpleNamespace
+
+    im_end, im_start = (tokenizer.convert_tokens_to_ids(x) for x in ("<|im_end|>", "<|im_start|>"))
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[im_end, eos]))  # Qwen2.5's two
+    stops = []
+
+    def generate_fn(model, tok, prompts, **sampling):
+        stops.append(sampling.get("stop_ids"))
+        outs = []
+        for p in prompts:
+            if tok.decode(p).endswith("<think>"):  # turn 1: a search cut by the token limit (no end of turn)
+                ids = agent.encode(tok, " look it up</think>\n" + CALL)
+                outs.append(Generation(ids=ids, logprobs=[-1.0] * len(ids), finished=False))
+            else:  # the memory update, ended by the other eos id
+                ids = agent.encode(tok, "<memory>Velmora Quint was born in Osk.</memory>") + [eos]
+                outs.append(Generation(ids=ids, logprobs=[-1.0] * len(ids), finished=True))
+        return outs
+
+    (t,) = agent.rollout(model, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(max_turns=1, **EVAL),
+                         generate_fn=generate_fn)
+    assert stops == [[eos, im_end]] * 2 and im_start not in stops[0]
+    text = tokenizer.decode(t.conversations[0].response_ids)
+    assert CALL + "<|im_end|>\n<|im_start|>user\n<tool_response>" in text  # <|im_end|> after the cut response
+    assert text.endswith("born in Osk.</memory><|im_end|>") and "<|endoftext|>" not in text
+    assert t.num_searches == 1 and t.end_reason == "max_turns"
+    agent.rollout(model, tokenizer, [Q], FakeSearch(), agent.RolloutSettings(max_turns=1), generate_fn=generate_fn)
+    assert stops[-1] is None and im_start in agent.stop_token_ids(tokenizer)  # training: the default stop set
+
+
+def test_evaluation_at_the_turn_limit_after_a_search_predicts_nothing(tokenizer):
+    """The release's client reads the prediction from its last text, which after a memory update is a
+    fresh prompt: at the turn limit right after a search it predicts nothing, even when the memory
+    update wrote a boxed answer. Training reads that update's last boxed answer as before."""
+    def policy(prompt):
+        if prompt.endswith("<think>"):
+            return " Search.</think>\n" + CALL
+        return "<memory>Osk</memory> \\boxed{Osk}"
+
+    (evaluated,), _ = run(tokenizer, policy, max_turns=1, **EVAL)
+    (trained,), _ = run(tokenizer, policy, max_turns=1)
+    assert evaluated.end_reason == trained.end_reason == "max_turns"
+    assert evaluated.prediction is None and trained.prediction == "Osk"
+
+
+def test_top_n_default_and_cap():
+    """A call without top_n gets the default (evaluation: 10, the release's server), and one asking
+    for more than the cap gets the cap (training: 10); no cap (None, evaluation as released) passes it."""
+    call = '<tool_call>{"name": "wikipedia_search", "arguments": {"query": "x"%s}}</tool_call>'
+    assert [c["top_n"] for c in agent.parse_tool_calls(call % "", 10, None)] == [10]
+    assert [c["top_n"] for c in agent.parse_tool_calls(call % ', "top_n": 20', 10, None)] == [20]
+    assert [c["top_n"] for c in agent.parse_tool_calls(call % ', "top_n": 20', 5)] == [10]
+    assert [c["top_n"] for c in agent.parse_tool_calls(call % ', "top_n": 0', 5)] == [1]

@@ -429,3 +429,23 @@ Second line."""
     with pytest.raises(SystemExit, match="without --system_prompt"):
         evaluate.main(["--release_prompts", str(tmp_path / "clone"), "--system_prompt", str(client / "memsearcher.py"),
                        "--output_dir", str(tmp_path / "out")])
+
+
+
+def test_the_releases_tool_errors_call_by_call():
+    """--release_prompts: each malformed call reads as the release's client writes it, and a blank
+    query goes to the server as it is (not stripped); without it, our texts."""
+    cases = [("not json", "Parse tool call failed"), ('{"name": "wikipedia_search"}', "Parse tool call failed"),
+             ('["arguments"]', "Parse tool call failed"), ('{"arguments": "x"}', "Parse query failed"),
+             ('{"arguments": null}', "Parse query failed"), ('{"arguments": {}}', "invalid query"),
+             ('{"arguments": {"query": ""}}', "invalid query"), ('{"arguments": {"query": 5}}', "error: 400"),
+             ('{"arguments": {"query": "x", "top_n": 0}}', "error: 400"),
+             ('{"arguments": {"query": "x", "top_n": true}}', "error: 400"), ('{"arguments": {"query": "  "}}', None)]
+    for body, expected in cases:
+        (call,) = agent.parse_tool_calls(f"<tool_call>{body}</tool_call>", 10, None, evaluate.release_tool_error)
+        assert call["error"] == expected, body
+    (blank,) = agent.parse_tool_calls('<tool_call>{"arguments": {"query": "  ", "top_n": 20}}</tool_call>', 10, None,
+                                      evaluate.release_tool_error)
+    assert (blank["query"], blank["top_n"]) == ("  ", 20)
+    (ours,) = agent.parse_tool_calls('<tool_call>{"arguments": {"query": "  "}}</tool_call>')
+    assert ours["error"] == "Error: invalid query."

@@ -481,7 +481,7 @@ def test_a_lora_update_changes_only_the_adapter(tiny_lm_dir, small_corpus, tiny_
     merged, _ = agent.load_model(str(tmp_path))  # the run folder: its newest checkpoint, merged
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
-    agent.save_merged(str(ckpt), str(tmp_path / "merged"))
+    runs.save_merged(str(ckpt), str(tmp_path / "merged"))
     assert (tmp_path / "merged" / "config.json").is_file()
 
 

@@ -57,7 +57,7 @@ def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
 # ---------------------------------------------------------------------------------------------
 def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
     """checkpoint-<step>/ (or `name`/): the policy (save_pretrained + tokenizer, loadable by
-    transformers and vLLM; with LoRA the adapter, merged by `agent.save_merged`) and state/
+    transformers and vLLM; with LoRA the adapter, merged by `save_merged`) and state/
     (optimizer, RNG, step). Written as a temporary folder, then renamed."""
     final = os.path.join(args.output_dir, name or f"checkpoint-{step}")
     tmp = final + ".tmp"
@@ -133,6 +133,32 @@ def adapter_only_state(accelerator, model):
                              f"--lora_target_modules): {len(tensors)} tensors saved, {len(trained)} expected")
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
+
+
+def load_merged(path: str, dtype: torch.dtype = torch.float32, device=None):
+    """A LoRA checkpoint of train.py (adapter_config.json, adapter weights, tokenizer, and
+    trainer_state.json naming the base model): the base with the adapter merged into its weights,
+    an ordinary model (for evaluation, or to continue training from)."""
+    import agent
+
+    peft = agent.peft_module()
+    state = os.path.join(path, "trainer_state.json")
+    base = (json.load(open(state))["args"]["model"] if os.path.isfile(state)
+            else json.load(open(os.path.join(path, "adapter_config.json")))["base_model_name_or_path"])
+    model, _ = agent.load_model(base, dtype=dtype)
+    model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
+    tokenizer = agent.load_tokenizer(path, {})
+    if device is not None:
+        model.to(device)
+    return model, tokenizer
+
+
+def save_merged(checkpoint: str, output_dir: str):
+    """Merge a LoRA checkpoint into its base and save a plain model folder (loadable by transformers
+    and vLLM):  python -c "from tools import runs; runs.save_merged('runs/lora/checkpoint-20', 'runs/lora/merged')" """
+    model, tokenizer = load_merged(checkpoint)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------

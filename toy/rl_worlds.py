@@ -36,7 +36,7 @@ from plot_curve import read_rows  # noqa: E402
 
 WORLDS = {"toy": 0, "seed2": 2, "seed3": 3}  # name -> toy/make_toy.py seed
 TYPES = ("single", "bridge", "comparison")
-EVAL_ARGS = ["--max_turns", "5", "--max_new_tokens", "128"]  # as `make run` evaluates
+EVAL_ARGS = ["--max_turns", "5", "--max_new_tokens", "128", "--default_top_n", "5", "--max_top_n", "10"]  # as `make run` evaluates
 VALIDATION_ROWS = (1900, 2000)  # train rows never demonstrated (the warm start takes the first 100)
 
 
