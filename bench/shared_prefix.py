@@ -28,7 +28,6 @@ quarter between runs on a shared 2-core machine; (a) isolates the update.
 """
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import random
@@ -44,15 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # before bench/ (which has its own grpo.py)
 
 
-def import_step_time():
-    """bench/step_time.py by path: its train.py runner, released flags, table and cpu_name."""
-    spec = importlib.util.spec_from_file_location("bench_step_time", os.path.join(ROOT, "bench", "step_time.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-step_time = import_step_time()
+import step_time  # noqa: E402  (bench/step_time.py: this folder is on the path when run as a script)
 BASES = {"preset": dict(precision="auto", micro_batch_size=1, checkpointing=True),
          "released": dict(precision="no", micro_batch_size=4, checkpointing=False)}
 

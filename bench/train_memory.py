@@ -35,7 +35,6 @@ AdamW state, 2x the parameters, is the same for both variants and lands in the s
 import argparse
 import ctypes
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -52,15 +51,7 @@ import grpo  # noqa: E402
 import retriever  # noqa: E402
 
 
-def import_bench_rollout():
-    """bench/rollout.py by path (the name `rollout` is not a package import here)."""
-    spec = importlib.util.spec_from_file_location("bench_rollout", os.path.join(ROOT, "bench", "rollout.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_rollout = import_bench_rollout()
+import rollout as bench_rollout  # noqa: E402  (bench/rollout.py: this folder is on the path when run as a script)
 
 
 # ---------------------------------------------------------------------------------------------
