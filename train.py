@@ -185,7 +185,8 @@ def main(argv=None, generate_fn=None):
     with accelerator.main_process_first():  # the main process builds a missing index cache first
         search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, check=True,
                                           doc_format=args.doc_format, timeout=args.retriever_timeout,
-                                          retries=args.retriever_retries, device=accelerator.device)
+                                          retries=args.retriever_retries,
+                                          device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
     model, optimizer, tokenizer, reference, rollout_model = load_models(args, accelerator)
     sharded = rollout_model is not None  # FSDP: each rank rolls out with a full copy of the policy
     policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
@@ -403,8 +404,7 @@ def reference_pass(args, policy, reference, device):
 
 
 def weightless(conversation):
-    """A copy of `conversation` with zero old/reference log-probs and advantage: the weight-0 pass
-    of a rank with nothing to train (its backward still joins DDP's all-reduce)."""
+    """`conversation` with zero log-probs and advantage: the weight-0 pass of a rank with nothing to train."""
     zeros = [0.0] * len(conversation.response_ids)
     return dataclasses.replace(conversation, old_logprobs=zeros, ref_logprobs=zeros, advantage=0.0)
 
