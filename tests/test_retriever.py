@@ -225,6 +225,27 @@ def test_the_command_line_puts_the_encoder_on_the_device_named(tmp_path, tiny_en
     assert devices == ["cpu", "cpu"]
 
 
+def test_faiss_gpu_is_a_clear_error_without_a_gpu_build_and_shards_in_float16_with_one(tmp_path, tiny_encoder_dir,
+                                                                                         capsys, monkeypatch):
+    """`--faiss_gpu` on faiss-cpu stops with a message naming the fix; on a GPU build (here a stand-in
+    for faiss's GPU calls) the index is sharded over the GPUs in float16 and searched there."""
+    path = write_corpus(tmp_path / "c.jsonl")
+    R.main(["build", "--corpus", path, "--encoder", tiny_encoder_dir])
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="no GPU support or sees no GPU.*faiss-gpu"):
+        R.main(["search", "--corpus", path, "--encoder", tiny_encoder_dir, "--faiss_gpu", "glass"])
+
+    class Options:
+        shard = useFloat16 = False
+    moved = []
+    monkeypatch.setattr(faiss, "GpuMultipleClonerOptions", Options, raising=False)
+    monkeypatch.setattr(faiss, "get_num_gpus", lambda: 2)
+    monkeypatch.setattr(faiss, "index_cpu_to_all_gpus", lambda index, co: moved.append((co.shard, co.useFloat16)) or index,
+                        raising=False)
+    R.main(["search", "--corpus", path, "--encoder", tiny_encoder_dir, "--faiss_gpu", "--topk", "1", "glass"])
+    assert moved == [(True, True)] and capsys.readouterr().out.startswith("query: glass\n")
+
+
 def test_read_index_falls_back_without_the_mmap_flag(tmp_path, local, monkeypatch):
     path = str(tmp_path / "flat.index")
     faiss.write_index(local.index, path)
