@@ -252,8 +252,35 @@ def label(results: dict) -> str:
     return f"{AGENTS[results['run']['agent']]} ({os.path.basename(model.rstrip('/')) or model})"
 
 
-def report(methods: list[tuple[str, dict]]) -> str:
-    """Markdown: rows (metric, method), datasets as columns, Avg last; then context tokens per turn."""
+def read_reference(path: str | None) -> dict | None:
+    """--reference FILE: published EM to print beside ours, e.g. a row of the paper's main table:
+    {"method": "MemSearcher 3B (paper)", "source": "where the numbers come from", "em": {"nq": 0.4, ...}}
+    (dataset names as in --data; EM in [0, 1]). No numbers ship with this project."""
+    if path is None:
+        return None
+    ref = read_json(path)
+    if not (isinstance(ref.get("method"), str) and isinstance(ref.get("source"), str) and isinstance(ref.get("em"), dict)
+            and all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in ref["em"].values())):
+        raise SystemExit(f"--reference {path}: expected {{\"method\": str, \"source\": str, \"em\": {{dataset: EM in [0, 1]}}}}")
+    return ref
+
+
+def reference_rows(reference: dict, ours: tuple[str, dict], names: list[str]) -> list[str]:
+    """The published EM and ours minus it, per dataset both have; Avg only where both cover the same datasets."""
+    em = {k.lower(): v for k, v in reference["em"].items()}
+    theirs = [em.get(n.lower()) for n in names]
+    same = set(em) == {n.lower() for n in names}
+    avg = sum(theirs) / len(theirs) if same else None
+    mine = [ours[1]["datasets"][n]["em"] for n in names] + [ours[1]["average"]["em"]]
+    show = lambda v, sign="": "–" if v is None else f"{v:{sign}.3f}"  # noqa: E731
+    return [f"| {reference['method']} | EM | " + " | ".join(show(v) for v in theirs + [avg]) + " |",
+            f"| {ours[0]} minus it | EM | " + " | ".join(show(None if t is None else m - t, "+")
+                                                       for m, t in zip(mine, theirs + [avg])) + " |"]
+
+
+def report(methods: list[tuple[str, dict]], reference: dict | None = None) -> str:
+    """Markdown: rows (metric, method), datasets as columns, Avg last (after EM, a --reference's
+    published EM and the first method's difference from it); then context tokens per turn."""
     names = paper_order(dict.fromkeys(n for _, res in methods for n in res["datasets"]))
     def cell(fmt, summary, m, interval=True):  # the value, with its 95% bootstrap interval where there is one
         if summary is None or summary.get(m) is None:
@@ -267,6 +294,8 @@ def report(methods: list[tuple[str, dict]]) -> str:
         for name, res in methods:
             cells = [cell(fmt, res["datasets"].get(n), m) for n in names] + [cell(fmt, res["average"], m, interval=False)]
             lines.append(f"| {name} | {title} | " + " | ".join(cells) + " |")
+        if m == "em" and reference:
+            lines += reference_rows(reference, methods[0], names)
     turns = max(len(res["average"]["context_tokens_per_turn"]["mean"]) for _, res in methods)
     lines += ["", "Context tokens per turn, all questions (mean / max; questions still running at that turn):", "",
               "| Method | " + " | ".join(f"turn {k}" for k in range(1, turns + 1)) + " |", "| --- " * (turns + 1) + "|"]
@@ -277,7 +306,8 @@ def report(methods: list[tuple[str, dict]]) -> str:
     kinds = sorted({res["config"]["memory_kind"] for _, res in methods})
     return "\n".join(lines) + f"\n\nPeak memory: {', '.join(kinds)}. Avg: mean over datasets (EM, F1, acc, format, turns, " \
         "searches, seconds); all questions pooled (context tokens); max (memory). [a, b]: 95% bootstrap interval " \
-        "over questions (1,000 resamples). format-valid: the final conversation passed the reward's format check.\n"
+        "over questions (1,000 resamples). format-valid: the final conversation passed the reward's format check.\n" \
+        + (f"\n{reference['method']}: {reference['source']}.\n" if reference else "")
 
 
 def plot_context_tokens(methods: list[tuple[str, dict]], path: str):
@@ -326,10 +356,10 @@ def paired_difference(a: list[dict], b: list[dict]) -> dict:
     return out
 
 
-def compare(paths: list[str], output_dir: str | None):
+def compare(paths: list[str], output_dir: str | None, reference: dict | None = None):
     methods = [(f"{label(res)} [{os.path.basename(os.path.dirname(os.path.abspath(path)))}]", res)
             for path, res in ((path, read_json(path)) for path in paths)]
-    print(report(methods))
+    print(report(methods, reference))
     folders = [os.path.dirname(os.path.abspath(path)) for path in paths]
     if len(paths) == 2 and all(runs.prediction_files(f) for f in folders):  # the two runs' predictions, paired
         a, b = ([r for path in runs.prediction_files(f) for _, r in runs.scan(path, warn=False)] for f in folders)
@@ -356,10 +386,10 @@ def other_agent(output_dir: str, results: dict) -> list[dict]:
     return found
 
 
-def write_reports(output_dir: str, results: dict):
+def write_reports(output_dir: str, results: dict, reference: dict | None = None):
     with open(os.path.join(output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    text = report([(label(results), results)])
+    text = report([(label(results), results)], reference)
     with open(os.path.join(output_dir, "results.md"), "w") as f:
         f.write(f"# {label(results)}\n\n{text}")
     print(text)
@@ -410,14 +440,16 @@ def parse_args(argv=None):
     ap.add_argument("--memory_instruction", default=None, help="a file with the memory-update instruction")
     ap.add_argument("--release_prompts", default=None, metavar="CLONE",
                     help="a clone of the release: its own system prompt and memory instruction, read from its evaluation client")
+    ap.add_argument("--reference", default=None, metavar="JSON", help="published EM per dataset to print beside ours (read_reference)")
     ap.add_argument("--compare", nargs="+", metavar="RESULTS_JSON", help="print these runs side by side and exit")
     return ap.parse_args(argv)
 
 
 def main(argv=None, generate_fn=None):
     args = parse_args(argv)
+    reference = read_reference(args.reference)  # a bad file fails before anything runs
     if args.compare:
-        return compare(args.compare, args.output_dir)
+        return compare(args.compare, args.output_dir, reference)
     args.output_dir = args.output_dir or os.path.join("runs", "eval", args.agent)
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     accelerator = Accelerator(cpu=multi_cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=12))])
@@ -458,7 +490,7 @@ def main(argv=None, generate_fn=None):
     config = {**vars(args), "world_size": world, "device": str(device), "evaluated_now": todo, "wall_seconds": time.time() - t0,
               "memory_kind": "gpu_max_allocated" if device.type == "cuda" else "cpu_peak_rss"}
     results = {"run": run, "config": config, "datasets": per_dataset, "average": average}
-    write_reports(args.output_dir, results)
+    write_reports(args.output_dir, results, reference)
     return results
 
 

@@ -449,3 +449,21 @@ def test_the_releases_tool_errors_call_by_call():
     assert (blank["query"], blank["top_n"]) == ("  ", 20)
     (ours,) = agent.parse_tool_calls('<tool_call>{"arguments": {"query": "  "}}</tool_call>')
     assert ours["error"] == "Error: invalid query."
+
+
+def test_reference_row_and_difference_by_hand(tmp_path, capsys):
+    """--reference: the published EM beside ours and ours minus it, per dataset; the Avg pair only
+    when the reference covers the same datasets; a malformed file is a clear error."""
+    ours = {"datasets": {"alpha": {"em": 0.5}, "beta": {"em": 0.0}}, "config": {"memory_kind": "cpu_peak_rss"},
+            "average": {"em": 0.25, "context_tokens_per_turn": {"mean": [], "max": [], "n": []}}}
+    path = tmp_path / "paper.json"
+    path.write_text(json.dumps({"method": "Paper 3B", "source": "its Table 1", "em": {"alpha": 0.4, "BETA": 0.3}}))
+    table = evaluate.report([("Ours", ours)], evaluate.read_reference(str(path)))
+    assert "| Paper 3B | EM | 0.400 | 0.300 | 0.350 |" in table
+    assert "| Ours minus it | EM | +0.100 | -0.300 | -0.100 |" in table and "Paper 3B: its Table 1." in table
+    path.write_text(json.dumps({"method": "Paper 3B", "source": "s", "em": {"alpha": 0.4, "gamma": 0.1}}))
+    table = evaluate.report([("Ours", ours)], evaluate.read_reference(str(path)))
+    assert "| Paper 3B | EM | 0.400 | – | – |" in table and "| Ours minus it | EM | +0.100 | – | – |" in table
+    path.write_text(json.dumps({"method": "Paper 3B", "source": "s", "em": {"alpha": 40.1}}))  # percent, not a share
+    with pytest.raises(SystemExit, match="EM in \\[0, 1\\]"):
+        evaluate.main(["--reference", str(path), "--compare", "x.json"])
