@@ -53,15 +53,16 @@ def check_transformers(version: str | None = None):
         raise ImportError(f"memsearcher needs transformers>=5.24,<6 (found {version}): pip install -r requirements.txt")
 
 
-def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None):
+def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None, empty: bool = False):
     """Load (model, tokenizer) by name: `default`/None (embedded SmolLM2), a `.gguf` file, or any
     Hugging Face model name or folder (e.g. `Qwen/Qwen2.5-3B-Instruct`, a train.py checkpoint, or a
     train.py output folder: its newest checkpoint).
 
     A GGUF model is de-quantized by transformers on load; we clear its quantization markers so the
-    result is an ordinary model that trains in float32 and saves with `save_pretrained`.
+    result is an ordinary model that trains in float32 and saves with `save_pretrained`. `empty`:
+    the architecture without the weights (runs.empty_model; FSDP's other ranks get theirs in `prepare`).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     check_transformers()
     path = default_model_file() if name in (None, "default") else runs.newest_checkpoint(name)
@@ -73,8 +74,12 @@ def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32,
             raise ImportError(f"Loading a GGUF model needs the `gguf` package: {INSTALL_HINT}")
         path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
     tokenizer = load_tokenizer(path, kwargs)
+    if empty:
+        return runs.empty_model(AutoConfig.from_pretrained(path, **kwargs), dtype), tokenizer
+    if device is not None and torch.device(device).type == "cuda" and not kwargs:
+        kwargs["device_map"] = device  # straight onto the GPU, tensor by tensor (no whole copy in host memory)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    if kwargs:  # GGUF: the weights are already plain float tensors; drop the quantizer markers
+    if "gguf_file" in kwargs:  # GGUF: the weights are already plain float tensors; drop the quantizer markers
         model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config

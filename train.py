@@ -18,7 +18,6 @@ each is a no-op in the paper preset.
 """
 import argparse
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -29,7 +28,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
 
@@ -130,7 +128,7 @@ def parse_args(argv=None):
     return args
 
 
-def check_config(args, world_size, distributed_type=None):
+def check_config(args, world_size, distributed_type=None, fsdp=None):
     """Fail fast, before loading anything large. Each problem names the flag, its value and where
     the value came from (a flag or a preset)."""
     flag = lambda name: f"--{name} {getattr(args, name)} ({args.source.get(name, 'flag')})"  # noqa: E731
@@ -145,6 +143,8 @@ def check_config(args, world_size, distributed_type=None):
         problems.append(f"{flag('batch_size')} must be a multiple of {flag('mini_batch_size')}")
     if args.doc_format not in retriever.DOC_FORMATS:
         problems.append(f"--doc_format must be one of {', '.join(retriever.DOC_FORMATS)}, got {args.doc_format!r}")
+    if distributed_type == DistributedType.FSDP and getattr(fsdp, "fsdp_version", 2) == 1:
+        problems.append("FSDP1 is not supported (the rollout copy is refilled from FSDP2's DTensors): --fsdp_version 2")
     if args.lora_rank and distributed_type == DistributedType.FSDP:
         problems.append("--lora_rank trains under DDP or on one GPU, not FSDP (the frozen base is held whole on each rank, in bf16)")
     if args.lora_rank > 0:
@@ -171,13 +171,13 @@ def main(argv=None, generate_fn=None):
     args = parse_args(argv)
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     precision = runs.resolve_precision(args.mixed_precision)
-    accelerator = Accelerator(cpu=multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
-                              log_with=args.report_to.split(",") if args.report_to else None,
-                              kwargs_handlers=runs.accelerator_settings(args))
+    accelerator = runs.make_accelerator(multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
+                                        log_with=args.report_to.split(",") if args.report_to else None,
+                                        kwargs_handlers=runs.accelerator_settings(args))
     rank, world = accelerator.process_index, accelerator.num_processes
-    check_config(args, world, accelerator.distributed_type)
-    accelerator.print(f"precision: float32 trained weights, {'no autocast' if precision == 'no' else precision + ' autocast'}"
-                      f" (--mixed_precision {args.mixed_precision})")
+    check_config(args, world, accelerator.distributed_type, getattr(accelerator.state, "fsdp_plugin", None))
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}; precision: float32 trained weights, "
+                      f"{'no autocast' if precision == 'no' else precision + ' autocast'} (--mixed_precision {args.mixed_precision})")
     questions = load_questions(args.train_data)
     if len(questions) < args.batch_size:
         raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
@@ -266,13 +266,15 @@ def load_models(args, accelerator):
       under FSDP, a full rollout copy, both in the run's precision (bfloat16 in a bf16 run);
     - LoRA (--lora_rank r): the base frozen in the run's precision, float32 adapters; no copy,
       since the reference is the policy with its adapter disabled (`reference_pass`).
+    Host memory: under `accelerate launch --use_fsdp` only the first rank reads the weights, the
+    others get their shards in `prepare`; each frozen copy is an empty model on its device, filled
+    from the policy one tensor at a time (no float32 duplicate).
     Returns (model, optimizer, tokenizer, reference or None, rollout copy or None)."""
     frozen_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    model, tokenizer = agent.load_model(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32)
-    frozen = lambda m: copy.deepcopy(m).to(frozen_dtype).eval().requires_grad_(False)  # noqa: E731
-    reference = frozen(model) if args.kl_coef > 0 and not args.lora_rank else None
     sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
-    rollout_model = frozen(model) if sharded else None
+    receives = sharded and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading and not accelerator.is_main_process
+    model, tokenizer = agent.load_model(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32,
+                                        empty=receives)  # (its shards come from the first rank in prepare)
     if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_rank:
@@ -285,10 +287,13 @@ def load_models(args, accelerator):
     # tensor (4 x 3k x 152k x 4 bytes = 7 GB a micro-batch at the paper's shape). Every pass here
     # runs inside accelerator.autocast() anyway, so the plain forward is put back: logits stay bf16.
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
-    if rollout_model is not None:
-        rollout_model.to(accelerator.device)
-    if reference is not None and not args.reference_on_cpu:
-        reference.to(accelerator.device)
+
+    def frozen(device):  # the policy's weights as it starts, cast one tensor at a time into the frozen dtype
+        copy = runs.empty_model(accelerator.unwrap_model(model).config, frozen_dtype, device).eval().requires_grad_(False)
+        copy_policy_into(model, copy, sharded, accelerator)
+        return copy
+    reference = frozen("cpu" if args.reference_on_cpu else accelerator.device) if args.kl_coef > 0 and not args.lora_rank else None
+    rollout_model = frozen(accelerator.device) if sharded else None
     return model, optimizer, tokenizer, reference, rollout_model
 
 
@@ -299,9 +304,11 @@ def copy_policy_into(model, target, sharded, accelerator):
     turns), so each rank rolls out with a plain full copy, refreshed from the gathered weights."""
     if target is None:
         return
-    if sharded:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        target.load_state_dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+    if sharded:  # one parameter at a time, cast to the copy's dtype before it is gathered (no float32 state dict)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                whole = target.get_parameter(name)
+                whole.copy_(param.to(whole.dtype).full_tensor())
     else:
         target.load_state_dict(accelerator.unwrap_model(model).state_dict())
 

@@ -7,9 +7,8 @@ answer "yes" instead, so all their groups are tied. Every generate call also run
 it is given: ranks make different numbers of calls, which would hang if that model were sharded.
 At the end each rank saves its parameters (DDP) and a checksum of the weights each rollout saw.
 
-TEST_FSDP_VERSION=2 trains under FSDP2: accelerate enables FSDP only on accelerators (GPUs, ...)
-while torch's FSDP2 also runs on CPUs over gloo, so the Accelerator is switched to FSDP after
-start-up. (Torch's FSDP1 rejects a CPU device, so version 1 cannot run here.)
+Under FSDP (tests/train_helpers.FSDP: the environment `accelerate launch --use_fsdp --fsdp_version 2`
+sets) ranks hold shards only, and save no parameters.
 """
 import os
 import re
@@ -23,7 +22,7 @@ import train  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 ALWAYS_YES = str(RANK) in os.environ.get("TEST_YES_ON_RANKS", "").split(",")  # these ranks always answer "yes"
-FSDP_VERSION = int(os.environ.get("TEST_FSDP_VERSION", "0"))
+FSDP = os.environ.get("ACCELERATE_USE_FSDP") == "true"
 CALL = '</think>\n<tool_call>{"name": "wikipedia_search", "arguments": {"query": "%s"}}</tool_call>'
 CHECKSUMS = []  # the rollout weights' checksum, each time it changes
 TIMEOUT = []  # the process group's timeout
@@ -53,25 +52,10 @@ def scripted_generate(model, tokenizer, prompts, **sampling):
     return outs
 
 
-def accelerator_with_fsdp(*args, **kwargs):
-    from accelerate import Accelerator
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    accelerator = Accelerator(*args, **kwargs)
-    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=FSDP_VERSION, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT")
-    accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    return accelerator
-
-
 if __name__ == "__main__":
-    if FSDP_VERSION:
-        train.Accelerator = accelerator_with_fsdp
     model = train.main(sys.argv[1:], generate_fn=scripted_generate)
     # under DDP every rank holds the whole policy; under FSDP only shards (the checkpoint has it whole)
-    params = None if FSDP_VERSION else {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
+    params = None if FSDP else {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     out_dir = sys.argv[sys.argv.index("--output_dir") + 1]
     settings = {"timeout": TIMEOUT[0] if TIMEOUT else None,  # (None: no rollout ran)
                 "gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)}

@@ -42,3 +42,21 @@ def test_a_run_folder_stands_for_its_newest_checkpoint(tmp_path):
         (tmp_path / name / "config.json").unlink()
     assert runs.newest_checkpoint(str(tmp_path)) == str(tmp_path / "warm_start")
     assert runs.newest_checkpoint(str(tmp_path / "warm_start")) == str(tmp_path / "warm_start")
+
+
+def test_empty_model_is_a_frame_of_the_right_shapes_never_written():
+    """runs.empty_model: every parameter in the dtype asked for and the config's shape, tied
+    embeddings tied, the rotary frequencies as a normally built model has them, and the weights
+    left unwritten (not an initialised model: two frames of one config need not be equal)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    built, state = LlamaForCausalLM(config), torch.random.get_rng_state()
+    frame = runs.empty_model(config, torch.bfloat16)
+    assert torch.equal(torch.random.get_rng_state(), state)  # no initialisation drew random numbers
+    assert frame.lm_head.weight is frame.model.embed_tokens.weight
+    assert {k: (v.shape, v.dtype) for k, v in frame.state_dict().items()} == {
+        k: (v.shape, torch.bfloat16) for k, v in built.state_dict().items()}
+    assert torch.equal(frame.model.rotary_emb.inv_freq, built.model.rotary_emb.inv_freq)

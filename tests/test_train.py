@@ -4,6 +4,7 @@
 import importlib.util
 import json
 import math
+import types
 import os
 import random
 from collections import Counter
@@ -16,7 +17,7 @@ import agent
 import train
 from tools import runs
 from toy import recipe
-from train_helpers import base_args, run_two_processes, state
+from train_helpers import FSDP, base_args, run_two_processes, state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
@@ -105,6 +106,9 @@ def test_config_errors_fail_fast(tmp_path):
         train.check_config(train.parse_args(["--batch_size", "4", "--mini_batch_size", "2"]), world_size=3)
     with pytest.raises(SystemExit, match="DeepSpeed is not supported"):
         train.check_config(train.parse_args([]), world_size=1, distributed_type=train.DistributedType.DEEPSPEED)
+    with pytest.raises(SystemExit, match="FSDP1 is not supported.*--fsdp_version 2"):
+        train.check_config(train.parse_args([]), world_size=2, distributed_type=train.DistributedType.FSDP,
+                           fsdp=types.SimpleNamespace(fsdp_version=1))
 
 
 def test_help_lists_every_flag_with_both_presets(capsys):
@@ -298,7 +302,7 @@ def test_two_processes_with_unequal_conversations(ddp_run, tiny_lm_dir):
 @pytest.fixture(scope="module")
 def fsdp_run(two_process_args, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    return out, run_two_processes(two_process_args(out), TEST_FSDP_VERSION="2")
+    return out, run_two_processes(two_process_args(out), **FSDP)
 
 
 def test_fsdp_matches_ddp(ddp_run, fsdp_run):
@@ -316,8 +320,8 @@ def test_fsdp_matches_ddp(ddp_run, fsdp_run):
 def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_path):
     """Sharded optimizer state and RNG come back from checkpoint-1/state: step 2 is bit-identical."""
     out, _ = fsdp_run
-    run_two_processes(two_process_args(tmp_path, max_steps=1), TEST_FSDP_VERSION="2")
-    run_two_processes(two_process_args(tmp_path, resume=True), TEST_FSDP_VERSION="2")
+    run_two_processes(two_process_args(tmp_path, max_steps=1), **FSDP)
+    run_two_processes(two_process_args(tmp_path, resume=True), **FSDP)
     a, b = state(out / "checkpoint-2"), state(tmp_path / "checkpoint-2")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -398,9 +402,14 @@ def test_frozen_copies_follow_the_runs_precision_and_logits_stay_bf16(tiny_lm_di
         ids = torch.tensor([agent.encode(tokenizer, "Is fact number 3 true?")])
         with accelerator.autocast():
             logits = [m(input_ids=ids).logits.dtype for m in (model, accelerator.unwrap_model(model), reference)]
+        policy = accelerator.unwrap_model(model)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16} and rollout_model is None
+    # an empty frame filled from the policy: its weights cast to bf16, its rotary frequencies computed
+    weights = policy.state_dict()
+    assert all(torch.equal(v, weights[k].to(torch.bfloat16)) for k, v in reference.state_dict().items())
+    assert torch.equal(reference.model.rotary_emb.inv_freq, policy.model.rotary_emb.inv_freq)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert logits == [torch.bfloat16] * 3
 

@@ -32,6 +32,12 @@ def state(path):
     return AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
+# what `accelerate launch --use_fsdp --fsdp_version 2 ...` puts in each process's environment
+FSDP = dict(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP",
+            FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer", FSDP_STATE_DICT_TYPE="SHARDED_STATE_DICT",
+            FSDP_CPU_RAM_EFFICIENT_LOADING="true", FSDP_SYNC_MODULE_STATES="true")
+
+
 def run_two_processes(argv, **env):
     """torchrun --nproc_per_node 2 tests/scripted_policy.py <argv>; returns each rank's saved record."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)

@@ -31,6 +31,40 @@ def accelerator_settings(args):
 
 
 
+def make_accelerator(multi_cpu: bool, **kwargs):
+    """The run's Accelerator. `accelerate launch --use_fsdp --fsdp_version 2` on a machine without
+    GPUs gives FSDP2 over gloo, as on GPUs: accelerate switches FSDP on for accelerators only, while
+    torch's FSDP2 also shards on CPUs, so the launcher's FSDP settings (its FSDP_* environment) are
+    applied here. That is how the few-GPU commands are rehearsed on CPUs (tools/rehearsal.py)."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=multi_cpu, **kwargs)
+    if multi_cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        if os.environ.get("FSDP_VERSION", "1") != "2":
+            raise SystemExit("FSDP on CPUs needs --fsdp_version 2 (torch's FSDP1 rejects a CPU device)")
+        plugin = FullyShardedDataParallelPlugin()  # reads the launcher's FSDP_* variables
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        accelerator.state.fsdp_plugin = plugin
+        accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return accelerator
+
+
+def empty_model(config, dtype: torch.dtype = torch.float32, device="cpu"):
+    """A model of `config` whose parameters are allocated on `device` but never written (so on a CPU
+    not yet resident), buffers such as rotary frequencies computed: a frame to copy weights into,
+    one tensor at a time (train.copy_policy_into), or for FSDP's `prepare` to fill with shards."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights(), torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # (from_config leaves tied embeddings untied when it skips initialisation)
+    return model
+
+
 def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
     """--mixed_precision auto: the launcher's bf16/fp16 (`accelerate launch --mixed_precision`) if it
     set one; else bf16 autocast on a GPU that supports bfloat16 (Ampere and later); on a machine
@@ -71,6 +105,7 @@ def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
         state_dict = accelerator.get_state_dict(model)  # gathered under FSDP
         accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process,
                                                         save_function=accelerator.save, state_dict=state_dict)
+    accelerator.wait_for_everyone()  # every rank is out of save_pretrained (it looks into tmp) before the rename
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
