@@ -14,7 +14,7 @@ THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 # Re-running is fast: the install is redone only when requirements.txt or this file changes.
 STAMP := .deps/$(subst /,_,$(subst .,,$(PYTHON))).stamp
 
-.PHONY: install run test bench
+.PHONY: install run test rehearsal bench
 
 .venv/bin/python:
 	@python3 -c "import venv, ensurepip" 2>/dev/null || { \
@@ -52,6 +52,9 @@ run: install  ## the main job: warm start + multi-context GRPO on the embedded d
 
 test: install
 	$(PYTHON) -m pytest -q
+
+rehearsal: install  ## the README's few-GPU commands, run on CPUs from an empty folder (also part of make test)
+	$(PYTHON) tools/rehearsal.py
 
 bench: install
 	$(PYTHON) bench/retriever.py

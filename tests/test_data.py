@@ -3,6 +3,8 @@ import json
 
 import pytest
 
+from tools.rehearsal import StandInHub
+
 
 def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
     rows = [{"id": "train_0", "question": "a?", "golden_answers": ["x"], "data_source": "nq"},
@@ -20,51 +22,7 @@ def test_load_questions_gives_every_row_a_distinct_id(tmp_path):
 
 
 # --- data/download.py against a stand-in hub on 127.0.0.1 (HF_ENDPOINT), the real hf_hub_download --
-class StandInHub:
-    """The hub's file protocol for dataset repositories, enough for hf_hub_download: HEAD and GET
-    /datasets/<repo>/resolve/<revision>/<path>, with the commit, ETag and size headers. Counts GETs."""
-
-    def __init__(self, files: dict):
-        import hashlib
-        import http.server
-        import threading
-
-        hub = self
-        self.files, self.gets = files, []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, body_too):
-                parts = self.path.split("?")[0].split("/")  # /datasets/<owner>/<name>/resolve/<rev>/<path...>
-                key = ("/".join(parts[2:4]), "/".join(parts[6:])) if len(parts) > 6 and parts[4] == "resolve" else None
-                if key not in hub.files:
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound")
-                    self.end_headers()
-                    return
-                body = hub.files[key]
-                self.send_response(200)
-                self.send_header("X-Repo-Commit", "0" * 40)
-                self.send_header("ETag", '"%s"' % hashlib.sha1(body).hexdigest())
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if body_too:
-                    hub.gets.append(key)
-                    self.wfile.write(body)
-
-            def do_HEAD(self):
-                self.reply(False)
-
-            def do_GET(self):
-                self.reply(True)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
+# (tools/rehearsal.StandInHub, which the rehearsal downloads from too)
 def run_download(what, out, endpoint):
     import os
     import subprocess

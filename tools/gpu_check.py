@@ -21,7 +21,8 @@ from their configs on the GPU. Parts, each printed as it ends:
    checkpointing) on m conversations of 3,500 tokens through grpo's loss: time, peak memory beside
    the plan's, finite gradient norm;
 5. a LoRA update of the 3B (bf16 base, rank 32): only adapter weights move; peak beside the plan;
-6. the test suite's CUDA tests (`MEMSEARCHER_TEST_CUDA=1 pytest -m cuda`).
+6. the test suite's CUDA tests (`MEMSEARCHER_TEST_CUDA=1 pytest -m cuda`);
+7. with 2 GPUs or more, the README's few-GPU sequence over NCCL (`tools/rehearsal.py --on_gpus`).
 """
 import argparse
 import copy
@@ -46,12 +47,18 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 
 
 def prepare():
-    """Write .gpu/tokenizer (the embedded default's tokenizer) and .gpu/wheels (transformers)."""
+    """Write .gpu/tokenizer (the embedded default's tokenizer), .gpu/encoder_vocab (the embedded
+    encoder's tokenizer files, no weights) and .gpu/wheels (transformers)."""
     import agent
 
     os.makedirs(os.path.join(PREPARED, "wheels"), exist_ok=True)
     folder, name = os.path.split(agent.default_model_file())
     agent.load_tokenizer(folder, {"gguf_file": name}).save_pretrained(os.path.join(PREPARED, "tokenizer"))
+    import shutil
+
+    import retriever
+    shutil.copytree(retriever.default_encoder_path(), os.path.join(PREPARED, "encoder_vocab"), dirs_exist_ok=True,
+                    ignore=lambda d, names: [n for n in names if n.endswith((".safetensors", ".bin", ".onnx"))])
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d",
                     os.path.join(PREPARED, "wheels"), TRANSFORMERS_WHEEL], check=True)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(PREPARED) for f in fs)
@@ -255,6 +262,21 @@ def cuda_tests(device):
     return ran
 
 
+def rehearsal(device):
+    """Two GPUs or more: tools/rehearsal.py --on_gpus, the README's sequence over NCCL."""
+    import torch
+    if device != "cuda" or torch.cuda.device_count() < 2:
+        report("multi-GPU rehearsal", skipped=f"{torch.cuda.device_count() if device == 'cuda' else 0} GPU(s): needs 2")
+        return True
+    env = dict(os.environ, MEMSEARCHER_TEST_TOKENIZER=os.path.join(PREPARED, "tokenizer"),
+               MEMSEARCHER_TEST_ENCODER_VOCAB=os.path.join(PREPARED, "encoder_vocab"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "rehearsal.py"), "--on_gpus"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    report("multi-GPU rehearsal", ok=proc.returncode == 0)
+    return proc.returncode == 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepare", action="store_true", help="write .gpu/ (tokenizer, transformers wheel) and stop")
@@ -282,6 +304,7 @@ def main():
         results["lora"] = update_probe(device, tok, big, 2 if args.small else args.micro_batch_size, tokens, lora_rank=32)
     if not args.skip_tests:
         results["cuda_tests"] = cuda_tests(device)
+    results["rehearsal"] = rehearsal(device)
     print(json.dumps({"ok": all(results.values()), **results, "seconds": round(time.time() - t0, 1)}))
     return 0 if all(results.values()) else 1
 
