@@ -4,9 +4,10 @@
     python tools/memory_plan.py --model 3B --strategy fsdp --gpus 4 --gpu_gb 80 --rollout_batch_size 64
     python tools/memory_plan.py --model 7B --strategy lora --gpus 1 --gpu_gb 80 --lora_rank 32
     python tools/memory_plan.py --validate                          # plan vs measured peak RSS on this CPU
+    python tools/memory_plan.py --host [--validate_host]            # host RAM of start-up per rank and node
 
 A step's peak is the largest of its phases' peaks (docs/memory_plan.md):
-  refresh   (FSDP only) the rollout copy reloaded from the gathered full state dict
+  refresh   (FSDP only) the rollout copy refilled from the policy, one gathered parameter at a time
   rollout   `generate` with a KV cache, no grad, at most R rows per call
   log-probs the old and reference log-prob passes, no grad, micro-batches of m conversations
   update    forward + backward of m conversations (activation checkpointing on or off), then AdamW
@@ -258,7 +259,8 @@ def resident_fsdp(s: Setup, phase: str) -> list[Term]:
         terms.append(Term("gathered params", 4 * (2 * lay + root), "4 x (2 layers + root unit), float32 assumed"))
         terms.append(Term("unsharded grads", 4 * (lay + root), "4 x (1 layer + root unit) before reduce-scatter"))
     if phase == "refresh":
-        terms.append(Term("full state dict", 4 * P, "4 x P: train.copy_policy_into gathers every tensor at once"))
+        terms.append(Term("one gathered parameter", s.b_act * largest_param(s) * (1 + 1 / s.gpus),
+                          "b_act x (1 + 1/W) x the largest parameter: train.copy_policy_into casts a shard, then gathers it"))
     return terms
 
 
@@ -909,6 +911,67 @@ def breakdown_phase(s: Setup, phase: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# 7b. Host memory of start-up (train.load_models): per rank and per node
+# ---------------------------------------------------------------------------------------------
+HOST_RUNTIME_GPU = 3.0 * GiB  # assumed: the CUDA libraries and context's host side, Python, torch, transformers
+RETRIEVER_NODE = 64.6 * GiB + 1.0 * GiB  # wiki-18's flat index (page cache, shared) + corpus offsets and e5 on the CPU
+
+
+def host_start_up(d: Dims, strategy: str, ranks: int, where: str = "gpu", base: float = HOST_RUNTIME_GPU) -> list[Term]:
+    """Host peak of start-up per rank, [first rank, each other rank], as train.load_models runs it.
+    F = the checkpoint's bytes (bfloat16, as released: 2P); loading float32 weights from it holds
+    them and the file's tensors at once (4P + F). On GPUs the frozen copies are empty models on the
+    GPU, filled from the policy (no host memory). FSDP: only the first rank loads; the others start
+    empty (runs.empty_model) and get their shards in `prepare`. where="cpu" (the check on this
+    machine): every copy is host memory too: shards 4P/n, the reference and the rollout copy 2P
+    each, and one parameter gathered at a time (the largest, V x H, in bf16) or received (float32)."""
+    P, F, VH = count_params(d), 2 * count_params(d), d.vocab * d.hidden
+    load = Term("float32 policy + its checkpoint read", 4 * P + F, "4P + F")
+    if strategy == "lora":
+        return [Term("base", base + 2 * P + F, "runtime + 2P (bf16 base) + F")]
+    if where == "gpu":
+        first = Term("first rank", base + load.bytes, "runtime + 4P + F")
+        other = Term("other ranks", base + (load.bytes if strategy == "ddp" else 0), "runtime" + (" + 4P + F" if strategy == "ddp" else ""))
+        return [first] + [other] * (ranks - 1)
+    shard = 4 * P / ranks
+    copies = 2 * P * 2 + 2 * VH  # reference + rollout copy, bf16, and a gathered parameter
+    first = max((4 * P + F, "4P + F"), (4 * P + shard, "4P + 4P/n (prepare)"), (shard + copies, "4P/n + 2P + 2P + 2VH"))
+    other = max((shard + 4 * VH, "4P/n + 4VH (prepare)"), (shard + copies, "4P/n + 2P + 2P + 2VH"))
+    return [Term("first rank", base + first[0], "runtime + " + first[1])] + [Term("other ranks", base + other[0], "runtime + " + other[1])] * (ranks - 1)
+
+
+def host_table() -> str:
+    """Host RAM a 4-GPU node needs for start-up, per rank (first / others) and per node."""
+    lines = [f"host RAM of start-up on GPUs, runtime {gb(HOST_RUNTIME_GPU)} per process assumed; node: all ranks, "
+             f"plus {gb(RETRIEVER_NODE)} when the wiki-18 server runs on the same node", "",
+             "| model | strategy | ranks | first rank | each other | node | node + retriever |", "| --- " * 7 + "|"]
+    for size in ("3B", "7B"):
+        for strategy, ranks in (("ddp", 4), ("fsdp", 4), ("lora", 1)):
+            terms = host_start_up(MODELS[size], strategy, ranks)
+            node = sum(t.bytes for t in terms)
+            others = gb(terms[1].bytes) if len(terms) > 1 else "–"
+            lines.append(f"| {size} | {strategy.upper() if strategy != 'lora' else 'LoRA'} | {ranks} | {gb(terms[0].bytes)} "
+                         f"| {others} | {gb(node)} | {gb(node + RETRIEVER_NODE)} |")
+    return "\n".join(lines)
+
+
+def validate_host() -> bool:
+    """bench/host_memory.py (0.5B shapes, FSDP2, 2 processes, reference and rollout copy) against
+    host_start_up(where="cpu"), each rank's own measured VmRSS before the model as its runtime."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import host_memory
+    measured = host_memory.main([])
+    ok = True
+    for rank, (peak_gib, base_gib) in sorted(measured.items()):
+        plan = host_start_up(MODELS["0.5B"], "fsdp", 2, where="cpu", base=base_gib * GiB)[min(rank, 1)]
+        ratio = peak_gib * GiB / plan.bytes
+        ok &= abs(ratio - 1) <= TOLERANCE
+        print(f"rank {rank}: plan {gb(plan.bytes)} ({plan.formula}), measured {peak_gib:.2f} GB: "
+              f"{ratio:.3f} {'PASS' if abs(ratio - 1) <= TOLERANCE else 'FAIL'}")
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
 # 8. Command line
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
@@ -934,6 +997,8 @@ def parse_args(argv=None):
     ap.add_argument("--lora_rank", type=int, default=32)
     ap.add_argument("--runtime_gb", type=float, default=1.0, help="GPU runtime term (assumed)")
     ap.add_argument("--validate", action="store_true", help="plan vs measured peak RSS on this CPU")
+    ap.add_argument("--host", action="store_true", help="host RAM of start-up per rank and per node (3B, 7B)")
+    ap.add_argument("--validate_host", action="store_true", help="the host plan vs bench/host_memory.py on this CPU")
     ap.add_argument("--_measure", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -957,6 +1022,11 @@ def main(argv=None):
         return
     if args.validate:
         sys.exit(0 if validate() else 1)
+    if args.host or args.validate_host:
+        print(host_table())
+        if args.validate_host:
+            sys.exit(0 if validate_host() else 1)
+        return
     if args.model or args.config:
         dims = dims_from_config(args.config) if args.config else MODELS[args.model]
         s = setup_from_args(args, dims)
