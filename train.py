@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import DistributedType, set_seed
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import agent
@@ -262,19 +264,19 @@ def main(argv=None, generate_fn=None):
 def load_models(args, accelerator):
     """The policy and its optimizer, prepared for DDP/FSDP, plus the frozen copies it needs:
 
-    - full fine-tuning: float32 trained weights; the KL reference (only with --kl_coef > 0) and,
-      under FSDP, a full rollout copy, both in the run's precision (bfloat16 in a bf16 run);
+    - full fine-tuning: float32 trained weights; the KL reference (only with --kl_coef > 0; under
+      FSDP sharded as the policy is) and, under FSDP, a whole rollout copy, both in the run's
+      precision (bfloat16 in a bf16 run), each an empty model filled from the policy tensor by tensor;
     - LoRA (--lora_rank r): the base frozen in the run's precision, float32 adapters; no copy,
       since the reference is the policy with its adapter disabled (`reference_pass`).
-    Host memory: under `accelerate launch --use_fsdp` only the first rank reads the weights, the
-    others get their shards in `prepare`; each frozen copy is an empty model on its device, filled
-    from the policy one tensor at a time (no float32 duplicate).
+    Under FSDP no rank loads the whole model: each reads its shards from the checkpoint (runs.load_shards).
     Returns (model, optimizer, tokenizer, reference or None, rollout copy or None)."""
     frozen_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
-    receives = sharded and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading and not accelerator.is_main_process
-    model, tokenizer = agent.load_model(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32,
-                                        empty=receives)  # (its shards come from the first rank in prepare)
+    files = runs.safetensors_files(args.model) if sharded else None  # then each rank fills its shards after prepare
+    empty = files is not None or (sharded and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
+                                  and not accelerator.is_main_process)  # (else the first rank's weights, in prepare)
+    model, tokenizer = agent.load_model(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32, empty=empty)
     if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_rank:
@@ -287,13 +289,16 @@ def load_models(args, accelerator):
     # tensor (4 x 3k x 152k x 4 bytes = 7 GB a micro-batch at the paper's shape). Every pass here
     # runs inside accelerator.autocast() anyway, so the plain forward is put back: logits stay bf16.
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+    if files:
+        runs.load_shards(model, files)
 
-    def frozen(device):  # the policy's weights as it starts, cast one tensor at a time into the frozen dtype
+    def frozen(device, shard=False):  # the policy's weights as it starts, cast one tensor at a time into the frozen dtype
         copy = runs.empty_model(accelerator.unwrap_model(model).config, frozen_dtype, device).eval().requires_grad_(False)
-        copy_policy_into(model, copy, sharded, accelerator)
+        copy_policy_into(model, runs.shard_like_policy(copy, accelerator) if shard else copy, sharded, accelerator)
         return copy
-    reference = frozen("cpu" if args.reference_on_cpu else accelerator.device) if args.kl_coef > 0 and not args.lora_rank else None
-    rollout_model = frozen(accelerator.device) if sharded else None
+    with_reference, on_cpu = args.kl_coef > 0 and not args.lora_rank, args.reference_on_cpu
+    reference = frozen("cpu" if on_cpu else accelerator.device, shard=sharded and not on_cpu) if with_reference else None
+    rollout_model = frozen(accelerator.device) if sharded else None  # FSDP: the reference sharded too, the rollout copy whole
     return model, optimizer, tokenizer, reference, rollout_model
 
 
@@ -305,10 +310,15 @@ def copy_policy_into(model, target, sharded, accelerator):
     if target is None:
         return
     if sharded:  # one parameter at a time, cast to the copy's dtype before it is gathered (no float32 state dict)
+        if isinstance(target, FSDPModule):
+            target.reshard()  # (a forward leaves the root unit gathered)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 whole = target.get_parameter(name)
-                whole.copy_(param.to(whole.dtype).full_tensor())
+                if isinstance(whole, DTensor):  # a copy sharded as the policy is: this rank's piece
+                    whole.to_local().copy_(param.to_local())
+                else:
+                    whole.copy_(param.to(whole.dtype).full_tensor())
     else:
         target.load_state_dict(accelerator.unwrap_model(model).state_dict())
 
@@ -386,7 +396,9 @@ def old_and_reference_logprobs(args, accelerator, policy, reference, conversatio
     ref = None
     if args.kl_coef > 0:
         with reference_pass(args, policy, reference, accelerator.device) as model:
-            ref = grpo.response_logprobs(model, conversations, *passes)
+            in_step = isinstance(model, FSDPModule)  # sharded (FSDP): passes are collective
+            with runs.passes_in_step(accelerator, model, -(-len(conversations) // args.micro_batch_size) if in_step else None, pad_id):
+                ref = grpo.response_logprobs(model, conversations, *passes[:4], passes[4] and not in_step, counter)
     for k, c in enumerate(conversations):
         c.old_logprobs = old[k].tolist()
         c.ref_logprobs = ref[k].tolist() if ref is not None else c.old_logprobs

@@ -60,3 +60,19 @@ def test_empty_model_is_a_frame_of_the_right_shapes_never_written():
     assert {k: (v.shape, v.dtype) for k, v in frame.state_dict().items()} == {
         k: (v.shape, torch.bfloat16) for k, v in built.state_dict().items()}
     assert torch.equal(frame.model.rotary_emb.inv_freq, built.model.rotary_emb.inv_freq)
+
+
+def test_safetensors_files_say_where_each_rank_can_read_its_shards(tmp_path, tiny_lm_dir):
+    """A saved model folder (or a train.py run folder: its newest checkpoint) gives its safetensors
+    files; the embedded GGUF default and a LoRA checkpoint give None (loaded the ordinary way)."""
+    import os
+    import shutil
+
+    assert runs.safetensors_files(tiny_lm_dir) == [os.path.join(tiny_lm_dir, "model.safetensors")]
+    run = tmp_path / "run"
+    shutil.copytree(tiny_lm_dir, run / "checkpoint-3")
+    (run / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    assert runs.safetensors_files(str(run)) == [str(run / "checkpoint-3" / "model.safetensors")]
+    assert runs.safetensors_files("default") is None and runs.safetensors_files("x.gguf") is None
+    (run / "checkpoint-3" / "adapter_config.json").write_text("{}")
+    assert runs.safetensors_files(str(run)) is None

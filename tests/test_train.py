@@ -307,7 +307,10 @@ def fsdp_run(two_process_args, tmp_path_factory):
 
 def test_fsdp_matches_ddp(ddp_run, fsdp_run):
     """FSDP shards the policy; rollouts use a gathered full copy. The result equals DDP's."""
-    (_, (d0, _)), (out, (f0, f1)) = ddp_run, fsdp_run
+    (ddp_out, (d0, _)), (out, (f0, f1)) = ddp_run, fsdp_run
+    # the sharded KL reference (its passes padded to the same count on both ranks) gives DDP's KL
+    kl = [[json.loads(line)["kl"] for line in open(o / "metrics.jsonl")] for o in (ddp_out, out)]
+    assert kl[1] == pytest.approx(kl[0], rel=1e-3, abs=1e-9) and kl[0][-1] > 0
     # both ranks rolled out with the same full weights, those DDP had, refreshed after step 1
     assert len(f0["checksums"]) == 2 and f0["checksums"] == f1["checksums"]
     assert f0["checksums"] == pytest.approx(d0["checksums"], rel=1e-6)

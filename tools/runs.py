@@ -6,6 +6,7 @@ files (metrics.jsonl, samples.jsonl), and memory (the peak, and glibc's freed he
     runs.save_checkpoint(accelerator, model, tokenizer, args, step)   # checkpoint-<step>/
     start_step = runs.resume(accelerator, args)                       # --resume: the newest checkpoint
 """
+import contextlib
 import ctypes
 import glob
 import json
@@ -63,6 +64,73 @@ def empty_model(config, dtype: torch.dtype = torch.float32, device="cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # (from_config leaves tied embeddings untied when it skips initialisation)
     return model
+
+
+def safetensors_files(name: str) -> list[str] | None:
+    """The safetensors files of checkpoint `name` (a folder, a train.py run folder, or a hub name, from
+    the local cache or downloaded), or None where weights come another way (the embedded GGUF model,
+    a LoRA checkpoint, a folder without safetensors)."""
+    if name in (None, "default") or name.endswith(".gguf"):
+        return None
+    path = newest_checkpoint(name)
+    if not os.path.isdir(path):
+        from huggingface_hub import snapshot_download
+        path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return None
+    return sorted(glob.glob(os.path.join(path, "*.safetensors"))) or None
+
+
+def load_shards(model, files: list[str]):
+    """Fill an FSDP2 model's shards from its checkpoint, one tensor at a time: each tensor is read,
+    cast to the parameter's dtype and split over the ranks (`distribute_tensor`), and this rank
+    keeps its piece. No rank holds the whole model (with accelerate's own loading, the first rank
+    holds it in float32 while it broadcasts). Every rank reads the files (the page cache shares them)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import distribute_tensor
+
+    params, filled = dict(model.named_parameters()), set()
+    for file in files:
+        with safe_open(file, "pt") as f:
+            keys = [k for k in f.keys() if k in params]
+        for key in keys:
+            with safe_open(file, "pt") as f:  # opened per tensor: the file's pages are not held mapped
+                whole = f.get_tensor(key)
+            p = params[key]
+            piece = distribute_tensor(whole.to(p.device, p.dtype), p.device_mesh, p.placements).to_local()
+            with torch.no_grad():
+                p.to_local().copy_(piece)
+            filled.add(key)
+    if filled != set(params):
+        raise SystemExit(f"the checkpoint's files {files} lack {sorted(set(params) - filled)[:5]} (names differ from the model's?)")
+
+
+def shard_like_policy(model, accelerator):
+    """Shard a frozen copy with FSDP2 as `prepare` shards the policy (each decoder layer a unit, the
+    rest the root's), with no mixed-precision policy: its weights are already in the run's dtype."""
+    from torch.distributed.fsdp import fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    layers = set(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
+    for module in list(model.modules()):
+        if type(module).__name__ in layers:
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+@contextlib.contextmanager
+def passes_in_step(accelerator, model, mine: int | None, pad_id: int):
+    """A sharded model's forward passes are collective: every rank must run as many. The ranks agree
+    on the most before any pass; after its own `mine`, a rank runs one-token passes up to it.
+    `mine` None: not sharded, nothing to do."""
+    most = mine if mine is None else int(accelerator.reduce(torch.tensor(mine, device=accelerator.device), "max").item())
+    yield
+    with torch.no_grad():
+        for _ in range((most or 0) - (mine or 0)):
+            model(input_ids=torch.tensor([[pad_id]], device=accelerator.device))
+    if mine is not None:
+        model.reshard()  # a forward without backward leaves the root unit (embeddings, head) gathered
 
 
 def resolve_precision(choice, cpuinfo="/proc/cpuinfo"):
