@@ -199,12 +199,19 @@ def resident(s: Setup, phase: str) -> list[Term]:
 
 
 def reference_term(s: Setup, phase: str) -> list[Term]:
-    """The frozen KL reference, a copy in the run's precision: b_act x P. With --reference_on_cpu it is
-    on the device only during its own log-prob pass (train.reference_pass)."""
+    """The frozen KL reference, a copy in the run's precision: b_act x P; under FSDP sharded as the
+    policy is (b_act x P / W). With --reference_on_cpu it is whole, and on the device only during its
+    own log-prob pass (train.reference_pass)."""
     if not s.reference:
         return [Term("reference", 0, "kl_coef 0: no reference")]
     if s.reference_on_cpu and phase != "logprobs":
         return [Term("reference", 0, "--reference_on_cpu: in CPU RAM now (2 x P bytes there)")]
+    if s.strategy == "fsdp" and not s.reference_on_cpu:  # sharded as the policy is; its pass gathers unit by unit
+        terms = [Term("sharded reference", s.b_act * s.P / s.gpus, "b_act x P / W")]
+        if phase == "logprobs":
+            lay, root = layer_params(s.dims), root_params(s.dims)
+            terms.append(Term("gathered reference units", s.b_act * (2 * lay + root), "b_act x (2 layers + root unit)"))
+        return terms
     note = " (moved in for its pass)" if s.reference_on_cpu else ""
     return [Term("reference copy", s.b_act * s.P, f"b_act x P{note}")]
 
@@ -919,25 +926,22 @@ RETRIEVER_NODE = 64.6 * GiB + 1.0 * GiB  # wiki-18's flat index (page cache, sha
 
 def host_start_up(d: Dims, strategy: str, ranks: int, where: str = "gpu", base: float = HOST_RUNTIME_GPU) -> list[Term]:
     """Host peak of start-up per rank, [first rank, each other rank], as train.load_models runs it.
-    F = the checkpoint's bytes (bfloat16, as released: 2P); loading float32 weights from it holds
-    them and the file's tensors at once (4P + F). On GPUs the frozen copies are empty models on the
-    GPU, filled from the policy (no host memory). FSDP: only the first rank loads; the others start
-    empty (runs.empty_model) and get their shards in `prepare`. where="cpu" (the check on this
-    machine): every copy is host memory too: shards 4P/n, the reference and the rollout copy 2P
-    each, and one parameter gathered at a time (the largest, V x H, in bf16) or received (float32)."""
+    F = the checkpoint's bytes (bfloat16, as released: 2P). DDP: every rank loads the float32 policy,
+    holding it and the file's tensors at once (4P + F), then `prepare` moves it to its GPU. FSDP:
+    every rank starts from an empty model and reads the checkpoint one tensor at a time into its
+    shards (runs.load_shards): the largest tensor in float32 and as read (4VH + 2VH). The frozen
+    copies are made on their device from the policy (on GPUs, no host memory). where="cpu" (the
+    check on this machine) counts what lives on the device too: the policy's shard 4P/n, the
+    reference's 2P/n, the whole rollout copy 2P and one gathered parameter 2VH."""
     P, F, VH = count_params(d), 2 * count_params(d), d.vocab * d.hidden
-    load = Term("float32 policy + its checkpoint read", 4 * P + F, "4P + F")
     if strategy == "lora":
         return [Term("base", base + 2 * P + F, "runtime + 2P (bf16 base) + F")]
+    if strategy == "ddp":
+        return [Term("each rank", base + 4 * P + F, "runtime + 4P + F")] * ranks
     if where == "gpu":
-        first = Term("first rank", base + load.bytes, "runtime + 4P + F")
-        other = Term("other ranks", base + (load.bytes if strategy == "ddp" else 0), "runtime" + (" + 4P + F" if strategy == "ddp" else ""))
-        return [first] + [other] * (ranks - 1)
-    shard = 4 * P / ranks
-    copies = 2 * P * 2 + 2 * VH  # reference + rollout copy, bf16, and a gathered parameter
-    first = max((4 * P + F, "4P + F"), (4 * P + shard, "4P + 4P/n (prepare)"), (shard + copies, "4P/n + 2P + 2P + 2VH"))
-    other = max((shard + 4 * VH, "4P/n + 4VH (prepare)"), (shard + copies, "4P/n + 2P + 2P + 2VH"))
-    return [Term("first rank", base + first[0], "runtime + " + first[1])] + [Term("other ranks", base + other[0], "runtime + " + other[1])] * (ranks - 1)
+        return [Term("each rank", base + 6 * VH, "runtime + 4VH + 2VH (one tensor read)")] * ranks
+    resident = 4 * P / ranks + 2 * P / ranks + 2 * P
+    return [Term("each rank", base + resident + 2 * VH, "runtime + 4P/n + 2P/n + 2P + 2VH")] * ranks
 
 
 def host_table() -> str:
