@@ -925,7 +925,7 @@ RETRIEVER_NODE = 64.6 * GiB + 1.0 * GiB  # wiki-18's flat index (page cache, sha
 
 
 def host_start_up(d: Dims, strategy: str, ranks: int, where: str = "gpu", base: float = HOST_RUNTIME_GPU) -> list[Term]:
-    """Host peak of start-up per rank, [first rank, each other rank], as train.load_models runs it.
+    """Host peak of start-up of each rank (a list, one per rank), as train.load_models runs it.
     F = the checkpoint's bytes (bfloat16, as released: 2P). DDP: every rank loads the float32 policy,
     holding it and the file's tensors at once (4P + F), then `prepare` moves it to its GPU. FSDP:
     every rank starts from an empty model and reads the checkpoint one tensor at a time into its
@@ -945,17 +945,16 @@ def host_start_up(d: Dims, strategy: str, ranks: int, where: str = "gpu", base: 
 
 
 def host_table() -> str:
-    """Host RAM a 4-GPU node needs for start-up, per rank (first / others) and per node."""
+    """Host RAM a 4-GPU node needs for start-up, per rank and per node."""
     lines = [f"host RAM of start-up on GPUs, runtime {gb(HOST_RUNTIME_GPU)} per process assumed; node: all ranks, "
              f"plus {gb(RETRIEVER_NODE)} when the wiki-18 server runs on the same node", "",
-             "| model | strategy | ranks | first rank | each other | node | node + retriever |", "| --- " * 7 + "|"]
+             "| model | strategy | ranks | each rank | node | node + retriever |", "| --- " * 6 + "|"]
     for size in ("3B", "7B"):
         for strategy, ranks in (("ddp", 4), ("fsdp", 4), ("lora", 1)):
             terms = host_start_up(MODELS[size], strategy, ranks)
             node = sum(t.bytes for t in terms)
-            others = gb(terms[1].bytes) if len(terms) > 1 else "–"
             lines.append(f"| {size} | {strategy.upper() if strategy != 'lora' else 'LoRA'} | {ranks} | {gb(terms[0].bytes)} "
-                         f"| {others} | {gb(node)} | {gb(node + RETRIEVER_NODE)} |")
+                         f"| {gb(node)} | {gb(node + RETRIEVER_NODE)} |")
     return "\n".join(lines)
 
 
@@ -967,7 +966,7 @@ def validate_host() -> bool:
     measured = host_memory.main([])
     ok = True
     for rank, (peak_gib, base_gib) in sorted(measured.items()):
-        plan = host_start_up(MODELS["0.5B"], "fsdp", 2, where="cpu", base=base_gib * GiB)[min(rank, 1)]
+        plan = host_start_up(MODELS["0.5B"], "fsdp", 2, where="cpu", base=base_gib * GiB)[rank]
         ratio = peak_gib * GiB / plan.bytes
         ok &= abs(ratio - 1) <= TOLERANCE
         print(f"rank {rank}: plan {gb(plan.bytes)} ({plan.formula}), measured {peak_gib:.2f} GB: "
