@@ -1,6 +1,8 @@
 """What a run of train.py or evaluate.py needs around the paper's path: the Accelerator's
-settings and precision, checkpoints (LoRA's adapter-only state too) and exact resume, the log
-files (metrics.jsonl, samples.jsonl), and memory (the peak, and glibc's freed heap).
+settings and precision (FSDP from the launcher's settings on CPUs too), models without host-memory
+duplicates (empty frames, shards read from the checkpoint, a frozen copy sharded as the policy is),
+checkpoints (LoRA's adapter-only state too) and exact resume, the log files (metrics.jsonl,
+samples.jsonl), and memory (the peak, and glibc's freed heap).
 
     from tools import runs
     runs.save_checkpoint(accelerator, model, tokenizer, args, step)   # checkpoint-<step>/
