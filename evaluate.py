@@ -43,8 +43,7 @@ from tqdm import tqdm
 
 import agent
 import retriever
-from toy.oracle import evidence_share
-from tools import runs
+from tools import models, runs
 from data.questions import SPLITS, data_files, load_questions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -146,6 +145,18 @@ def cover_match(prediction: str | None, golds: list[str]) -> float:
         return 0.0
     pred = agent.normalize_answer(prediction)
     return float(any(gold and gold in pred for gold in map(agent.normalize_answer, golds)))
+
+
+def evidence_share(trajectory: agent.Trajectory, supporting_ids) -> float:
+    """Evidence recall: the share of the question's supporting passages whose corpus ids are among
+    the documents the trajectory retrieved (toy worlds carry their ids; the toy recipe's evidence
+    credit, train.py --evidence_weight, is the same share, as David-GRPO's evidence-guided reward).
+
+        E = |supporting ∩ retrieved| / |supporting|          (0 for a question without supporting ids)
+    """
+    wanted = {str(i) for i in supporting_ids or ()}
+    seen = {i for turn in trajectory.turns for ids in turn.get("document_ids", ()) for i in ids}
+    return len(wanted & seen) / len(wanted) if wanted else 0.0
 
 
 def record(q: dict, t: agent.Trajectory, seconds: float, peak_memory: int | None, run: dict) -> dict:
@@ -479,7 +490,7 @@ def main(argv=None, generate_fn=None):
                                           retries=args.retriever_retries, device=device) if mine else None
     t0 = time.time()
     if mine:
-        model, tokenizer = agent.load_model(args.model, dtype=getattr(torch, dtype), device=device)
+        model, tokenizer = models.load(args.model, dtype=getattr(torch, dtype), device=device)
         path = os.path.join(args.output_dir, f"predictions.rank{rank}-{uuid.uuid4().hex[:8]}.jsonl")
         evaluate_shard(model, tokenizer, search, mine, args, run, path, generate_fn, accelerator.is_main_process)
     accelerator.wait_for_everyone()

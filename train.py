@@ -10,7 +10,8 @@
    old/reference log-probs -> PPO updates -> metrics and checkpoints
 3. the parts of a step: set-up, what flows (Batch), the log-prob passes, the optimizer update, metrics
 4. speedup (exact): the update's shared prefixes
-Infrastructure (precision, checkpoints and resume, the log files, memory) is tools/runs.py.
+The policy and its frozen copies come from tools/models.py; infrastructure (precision, checkpoints
+and resume, the log files, memory) is tools/runs.py.
 
 The toy preset's small-budget recipe (toy/recipe.py: the warm start, the oracle in unsolved groups,
 evidence credit, tied groups skipped) enters the loop through one `recipe.*` call per step part;
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import DistributedType, set_seed
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import agent
@@ -38,7 +38,7 @@ import grpo
 import retriever
 from data.questions import load_questions
 from toy import recipe
-from tools import runs
+from tools import models, runs
 
 # ---------------------------------------------------------------------------------------------
 # 1. Configuration: (flag, toy preset, paper preset, help). Explicit flags override the preset.
@@ -151,7 +151,7 @@ def check_config(args, world_size, distributed_type=None, fsdp=None):
         problems.append("--lora_rank trains under DDP or on one GPU, not FSDP (the frozen base is held whole on each rank, in bf16)")
     if args.lora_rank > 0:
         try:
-            agent.peft_module()
+            models.peft_module()
         except ImportError as e:
             problems.append(str(e))
     if args.lora_rank < 0:
@@ -199,7 +199,7 @@ def main(argv=None, generate_fn=None):
     recipe.warm_start(  # toy preset: supervised steps on oracle demonstrations first (toy/recipe.py); paper: no-op
         accelerator, model, optimizer, tokenizer, search, args, settings, log, update=optimizer_update, trim_logs=runs.trim_logs,
         save=lambda step, name: runs.save_checkpoint(accelerator, model, tokenizer, args, step, name),
-        reset_reference=lambda: copy_policy_into(model, reference, sharded, accelerator))
+        reset_reference=lambda: models.copy_policy_into(model, reference, sharded, accelerator))
     start_step = runs.resume(accelerator, args)
 
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
@@ -210,7 +210,7 @@ def main(argv=None, generate_fn=None):
         share = args.batch_size // world
         mine = step_questions(questions, step, args.batch_size, args.seed)[rank * share:(rank + 1) * share]
         if sharded:
-            copy_policy_into(model, rollout_model, sharded, accelerator)
+            models.copy_policy_into(model, rollout_model, sharded, accelerator)
         seed = args.seed * 100003 + step * world + rank  # sampling seeded per rank and step (and chunk)
         with accelerator.autocast():  # generate in the update's precision (bf16 on GPU with --mixed_precision bf16)
             samples = rollout_in_chunks(policy, tokenizer, mine, search, settings, args.group_size, args.rollout_batch_size,
@@ -269,18 +269,18 @@ def load_models(args, accelerator):
       precision (bfloat16 in a bf16 run), each an empty model filled from the policy tensor by tensor;
     - LoRA (--lora_rank r): the base frozen in the run's precision, float32 adapters; no copy,
       since the reference is the policy with its adapter disabled (`reference_pass`).
-    Under FSDP no rank loads the whole model: each reads its shards from the checkpoint (runs.load_shards).
+    Under FSDP no rank loads the whole model: each reads its shards from the checkpoint (models.load_shards).
     Returns (model, optimizer, tokenizer, reference or None, rollout copy or None)."""
     frozen_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     sharded = accelerator.distributed_type == DistributedType.FSDP  # then roll out with a full copy
-    files = runs.safetensors_files(args.model) if sharded else None  # then each rank fills its shards after prepare
+    files = models.safetensors_files(args.model) if sharded else None  # then each rank fills its shards after prepare
     empty = files is not None or (sharded and accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
                                   and not accelerator.is_main_process)  # (else the first rank's weights, in prepare)
-    model, tokenizer = agent.load_model(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32, empty=empty)
+    model, tokenizer = models.load(args.model, dtype=frozen_dtype if args.lora_rank else torch.float32, empty=empty)
     if args.gradient_checkpointing:  # active in train mode only: rollouts keep the KV cache
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_rank:
-        model = agent.add_adapter(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
+        model = models.add_adapter(model, args.lora_rank, args.lora_alpha, args.lora_target_modules)
         runs.adapter_only_state(accelerator, model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
@@ -290,37 +290,12 @@ def load_models(args, accelerator):
     # runs inside accelerator.autocast() anyway, so the plain forward is put back: logits stay bf16.
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     if files:
-        runs.load_shards(model, files)
-
-    def frozen(device, shard=False):  # the policy's weights as it starts, cast one tensor at a time into the frozen dtype
-        copy = runs.empty_model(accelerator.unwrap_model(model).config, frozen_dtype, device).eval().requires_grad_(False)
-        copy_policy_into(model, runs.shard_like_policy(copy, accelerator) if shard else copy, sharded, accelerator)
-        return copy
+        models.load_shards(model, files)
     with_reference, on_cpu = args.kl_coef > 0 and not args.lora_rank, args.reference_on_cpu
-    reference = frozen("cpu" if on_cpu else accelerator.device, shard=sharded and not on_cpu) if with_reference else None
-    rollout_model = frozen(accelerator.device) if sharded else None  # FSDP: the reference sharded too, the rollout copy whole
+    reference = models.frozen_copy(model, accelerator, frozen_dtype, "cpu" if on_cpu else accelerator.device, sharded,
+                                   shard=sharded and not on_cpu) if with_reference else None
+    rollout_model = models.frozen_copy(model, accelerator, frozen_dtype, accelerator.device, sharded) if sharded else None
     return model, optimizer, tokenizer, reference, rollout_model
-
-
-def copy_policy_into(model, target, sharded, accelerator):
-    """Copy the policy's current weights into a frozen copy (the FSDP rollout copy before every
-    rollout; the KL reference after the warm start). Under FSDP no rank holds the whole policy, and
-    generation cannot all-gather shards in step (ranks generate different numbers of tokens and
-    turns), so each rank rolls out with a plain full copy, refreshed from the gathered weights."""
-    if target is None:
-        return
-    if sharded:  # one parameter at a time, cast to the copy's dtype before it is gathered (no float32 state dict)
-        if isinstance(target, FSDPModule):
-            target.reshard()  # (a forward leaves the root unit gathered)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                whole = target.get_parameter(name)
-                if isinstance(whole, DTensor):  # a copy sharded as the policy is: this rank's piece
-                    whole.to_local().copy_(param.to_local())
-                else:
-                    whole.copy_(param.to(whole.dtype).full_tensor())
-    else:
-        target.load_state_dict(accelerator.unwrap_model(model).state_dict())
 
 
 def rollout_settings(args) -> agent.RolloutSettings:

@@ -69,8 +69,8 @@ def make_model(folder: str):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, ROOT)
-    import agent
-    gguf_folder, name = os.path.split(agent.default_model_file())
+    from tools import models
+    gguf_folder, name = os.path.split(models.default_model_file())
     tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=name)
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,

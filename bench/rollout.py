@@ -40,6 +40,7 @@ sys.path.insert(0, ROOT)
 
 import agent  # noqa: E402
 import retriever  # noqa: E402
+from tools import models  # noqa: E402
 from data.questions import load_questions as question_rows  # noqa: E402
 
 
@@ -377,7 +378,7 @@ def main():
           f"transformers {transformers.__version__}; load average {os.getloadavg()[0]:.2f}")
     start = time.perf_counter()
     sections = set(args.sections.split(","))
-    model, tokenizer = agent.load_model(args.model)
+    model, tokenizer = models.load(args.model)
     search = retriever.open_retriever()
     questions = load_questions(args.questions)
     print(f"loaded {args.model} and the toy retriever in {time.perf_counter() - start:.1f} s; "

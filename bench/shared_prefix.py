@@ -56,10 +56,11 @@ def setup(args):
     from accelerate import Accelerator
 
     import agent
+    from tools import models
 
     torch.set_num_threads(args.threads)
     accelerator = Accelerator(mixed_precision=args.precision, cpu=True)
-    model, tokenizer = agent.load_model(args.model)
+    model, tokenizer = models.load(args.model)
     model.train()
     if args.checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -48,6 +48,7 @@ sys.path.insert(0, ROOT)  # before bench/ (which has its own retriever.py and gr
 
 import agent  # noqa: E402
 import grpo  # noqa: E402
+from tools import models  # noqa: E402
 import retriever  # noqa: E402
 
 
@@ -179,7 +180,7 @@ def run_variant(args):
     except OSError:
         pass
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = agent.load_model("default", dtype=torch.float32, device=device)
+    model, tokenizer = models.load("default", dtype=torch.float32, device=device)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)

@@ -1,1 +1,2 @@
-"""The embedded default's data: toy worlds (make_toy.py), their oracle (oracle.py), question loading (questions.py)."""
+"""The data: question loading (questions.py), the paper's data from the hub (download.py), and the
+embedded default's toy worlds as files (toy/, toy_seed1/; made by toy/make_toy.py)."""

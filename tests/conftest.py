@@ -52,12 +52,12 @@ def tokenizer():
     """The embedded default's ChatML tokenizer (read from its GGUF file; no weights loaded)."""
     from transformers import AutoTokenizer
 
-    import agent
+    from tools import models
 
     if os.environ.get("MEMSEARCHER_TEST_TOKENIZER"):  # the same tokenizer saved as a folder (tools/gpu_check.py)
         tok = AutoTokenizer.from_pretrained(os.environ["MEMSEARCHER_TEST_TOKENIZER"])
     else:
-        folder, name = os.path.split(agent.default_model_file())
+        folder, name = os.path.split(models.default_model_file())
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok.padding_side = "left"
     return tok
@@ -77,7 +77,7 @@ def tiny_lm(tokenizer):
 
 @pytest.fixture(scope="session")
 def tiny_lm_dir(tiny_lm, tokenizer, tmp_path_factory):
-    """The tiny model and the default tokenizer saved as a folder, loadable by `agent.load_model`."""
+    """The tiny model and the default tokenizer saved as a folder, loadable by `models.load`."""
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
     tiny_lm.save_pretrained(path)
     tokenizer.save_pretrained(path)

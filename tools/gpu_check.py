@@ -25,7 +25,6 @@ from their configs on the GPU. Parts, each printed as it ends:
 7. with 2 GPUs or more, the README's few-GPU sequence over NCCL (`tools/rehearsal.py --on_gpus`).
 """
 import argparse
-import copy
 import json
 import math
 import os
@@ -49,11 +48,11 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 def prepare():
     """Write .gpu/tokenizer (the embedded default's tokenizer), .gpu/encoder_vocab (the embedded
     encoder's tokenizer files, no weights) and .gpu/wheels (transformers)."""
-    import agent
+    from tools import models
 
     os.makedirs(os.path.join(PREPARED, "wheels"), exist_ok=True)
-    folder, name = os.path.split(agent.default_model_file())
-    agent.load_tokenizer(folder, {"gguf_file": name}).save_pretrained(os.path.join(PREPARED, "tokenizer"))
+    folder, name = os.path.split(models.default_model_file())
+    models.load_tokenizer(folder, {"gguf_file": name}).save_pretrained(os.path.join(PREPARED, "tokenizer"))
     import shutil
 
     import retriever
@@ -71,14 +70,14 @@ def prepare():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    import agent
+    from tools import models
     path = os.path.join(PREPARED, "tokenizer")
     if os.path.isdir(path):
         tok = AutoTokenizer.from_pretrained(path)
         tok.padding_side = "left"
         return tok
-    folder, name = os.path.split(agent.default_model_file())  # a machine with the embedded default
-    return agent.load_tokenizer(folder, {"gguf_file": name})
+    folder, name = os.path.split(models.default_model_file())  # a machine with the embedded default
+    return models.load_tokenizer(folder, {"gguf_file": name})
 
 
 def random_model(dims, tok, device, dtype):
@@ -110,14 +109,14 @@ def peak_gb(device, reset=False):
 
 
 def plan_gb(dims, phases, **setup):
-    """tools/memory_plan.py's largest total over `phases` for this shape, in GiB, without its runtime
+    """tools/memory_gpu.py's largest total over `phases` for this shape, in GiB, without its runtime
     term (max_memory_allocated counts tensors only); NaN for the toy sizes of a dry run."""
-    import memory_plan
+    import memory_gpu
     name = {id(QWEN_3B): "3B", id(QWEN_05B): "0.5B"}.get(id(dims))
     if name is None:
         return float("nan")
-    s = memory_plan.Setup(dims=memory_plan.MODELS[name], gpus=1, runtime_bytes=0.0, **setup)
-    totals = {k: sum(t.bytes for t in v) for k, v in memory_plan.phases(s).items()}
+    s = memory_gpu.Setup(dims=memory_gpu.MODELS[name], gpus=1, runtime_bytes=0.0, **setup)
+    totals = {k: sum(t.bytes for t in v) for k, v in memory_gpu.phases(s).items()}
     return max(totals[p] for p in phases) / 2**30
 
 
@@ -213,8 +212,8 @@ def update_probe(device, tok, dims, m, tokens, lora_rank=0):
     the trained weights moved and the norm is finite."""
     import torch
 
-    import agent
     import grpo
+    from tools import models
     model = random_model(dims, tok, device, torch.bfloat16 if lora_rank and device == "cuda" else torch.float32)
     enable = getattr(model, "activation_checkpointing_enable", None)  # newer transformers; the old name warns
     if enable:
@@ -222,7 +221,7 @@ def update_probe(device, tok, dims, m, tokens, lora_rank=0):
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_rank:
-        model = agent.add_adapter(model, lora_rank, 2 * lora_rank, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+        model = models.add_adapter(model, lora_rank, 2 * lora_rank, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     frozen = {k: v.detach().clone() for k, v in model.named_parameters() if not v.requires_grad}
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-6)

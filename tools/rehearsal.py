@@ -97,13 +97,13 @@ def tiny_models(folder: str) -> tuple[str, str]:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel, Qwen2Config, Qwen2ForCausalLM
 
-    import agent
     import retriever
+    from tools import models
     model, encoder = os.path.join(folder, "tiny-qwen2"), os.path.join(folder, "tiny-bert")
     if os.environ.get("MEMSEARCHER_TEST_TOKENIZER"):  # a machine without the embedded default (tools/gpu_check.py)
         tokenizer = AutoTokenizer.from_pretrained(os.environ["MEMSEARCHER_TEST_TOKENIZER"])
     else:
-        gguf_folder, name = os.path.split(agent.default_model_file())
+        gguf_folder, name = os.path.split(models.default_model_file())
         tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=name)
     vocab = os.environ.get("MEMSEARCHER_TEST_ENCODER_VOCAB") or retriever.default_encoder_path()
     torch.manual_seed(0)

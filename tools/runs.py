@@ -1,8 +1,8 @@
 """What a run of train.py or evaluate.py needs around the paper's path: the Accelerator's
-settings and precision (FSDP from the launcher's settings on CPUs too), models without host-memory
-duplicates (empty frames, shards read from the checkpoint, a frozen copy sharded as the policy is),
-checkpoints (LoRA's adapter-only state too) and exact resume, the log files (metrics.jsonl,
-samples.jsonl), and memory (the peak, and glibc's freed heap).
+settings and precision (FSDP from the launcher's settings on CPUs too; a sharded model's passes in
+step), checkpoints (LoRA's adapter-only state too) and exact resume, the log files (metrics.jsonl,
+samples.jsonl), memory (the peak, and glibc's freed heap), and evaluate.py's prediction files.
+It imports no project file; the model itself is loaded by tools/models.py.
 
     from tools import runs
     runs.save_checkpoint(accelerator, model, tokenizer, args, step)   # checkpoint-<step>/
@@ -21,7 +21,7 @@ import torch
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. The Accelerator: process-group settings and precision
+# 1. The Accelerator: process-group settings, sharded passes in step, precision
 # ---------------------------------------------------------------------------------------------
 def accelerator_settings(args):
     """What the Accelerator is built with: a process-group timeout (--timeout_minutes), and DDP's
@@ -53,72 +53,6 @@ def make_accelerator(multi_cpu: bool, **kwargs):
         accelerator.state.fsdp_plugin = plugin
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return accelerator
-
-
-def empty_model(config, dtype: torch.dtype = torch.float32, device="cpu"):
-    """A model of `config` whose parameters are allocated on `device` but never written (so on a CPU
-    not yet resident), buffers such as rotary frequencies computed: a frame to copy weights into,
-    one tensor at a time (train.copy_policy_into), or for FSDP's `prepare` to fill with shards."""
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights(), torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.tie_weights()  # (from_config leaves tied embeddings untied when it skips initialisation)
-    return model
-
-
-def safetensors_files(name: str) -> list[str] | None:
-    """The safetensors files of checkpoint `name` (a folder, a train.py run folder, or a hub name, from
-    the local cache or downloaded), or None where weights come another way (the embedded GGUF model,
-    a LoRA checkpoint, a folder without safetensors)."""
-    if name in (None, "default") or name.endswith(".gguf"):
-        return None
-    path = newest_checkpoint(name)
-    if not os.path.isdir(path):
-        from huggingface_hub import snapshot_download
-        path = snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
-    if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        return None
-    return sorted(glob.glob(os.path.join(path, "*.safetensors"))) or None
-
-
-def load_shards(model, files: list[str]):
-    """Fill an FSDP2 model's shards from its checkpoint, one tensor at a time: each tensor is read,
-    cast to the parameter's dtype and split over the ranks (`distribute_tensor`), and this rank
-    keeps its piece. No rank holds the whole model (with accelerate's own loading, the first rank
-    holds it in float32 while it broadcasts). Every rank reads the files (the page cache shares them)."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import distribute_tensor
-
-    params, filled = dict(model.named_parameters()), set()
-    for file in files:
-        with safe_open(file, "pt") as f:
-            keys = [k for k in f.keys() if k in params]
-        for key in keys:
-            with safe_open(file, "pt") as f:  # opened per tensor: the file's pages are not held mapped
-                whole = f.get_tensor(key)
-            p = params[key]
-            piece = distribute_tensor(whole.to(p.device, p.dtype), p.device_mesh, p.placements).to_local()
-            with torch.no_grad():
-                p.to_local().copy_(piece)
-            filled.add(key)
-    if filled != set(params):
-        raise SystemExit(f"the checkpoint's files {files} lack {sorted(set(params) - filled)[:5]} (names differ from the model's?)")
-
-
-def shard_like_policy(model, accelerator):
-    """Shard a frozen copy with FSDP2 as `prepare` shards the policy (each decoder layer a unit, the
-    rest the root's), with no mixed-precision policy: its weights are already in the run's dtype."""
-    from torch.distributed.fsdp import fully_shard
-
-    plugin = accelerator.state.fsdp_plugin
-    layers = set(plugin.transformer_cls_names_to_wrap or getattr(model, "_no_split_modules", None) or [])
-    for module in list(model.modules()):
-        if type(module).__name__ in layers:
-            fully_shard(module)
-    fully_shard(model)
-    return model
 
 
 @contextlib.contextmanager
@@ -169,7 +103,7 @@ def save_checkpoint(accelerator, model, tokenizer, args, step, name=None):
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(os.path.join(tmp, "state"))
-    if args.lora_rank:  # the adapter alone (DDP: every rank holds it); agent.load_model merges it into the base
+    if args.lora_rank:  # the adapter alone (DDP: every rank holds it); models.load merges it into the base
         accelerator.unwrap_model(model).save_pretrained(tmp, is_main_process=accelerator.is_main_process)
     else:
         state_dict = accelerator.get_state_dict(model)  # gathered under FSDP
@@ -192,16 +126,6 @@ def list_checkpoints(output_dir):
     paths = [p for p in glob.glob(os.path.join(output_dir, "checkpoint-*")) if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))
              and os.path.isfile(os.path.join(p, "trainer_state.json"))]
     return sorted(paths, key=lambda p: int(p.rsplit("-", 1)[1]))
-
-
-def newest_checkpoint(path: str) -> str:
-    """What `agent.load_model` loads for `path`: a train.py output folder (no model inside) stands
-    for its newest checkpoint-N/, or its warm_start/ when GRPO has not saved one yet."""
-    is_model = lambda p: any(os.path.isfile(os.path.join(p, f)) for f in ("config.json", "adapter_config.json"))  # noqa: E731
-    if not os.path.isdir(path) or is_model(path):
-        return path
-    found = [p for p in list_checkpoints(path) if is_model(p)] or [p for p in [os.path.join(path, "warm_start")] if is_model(p)]
-    return found[-1] if found else path
 
 
 def resume(accelerator, args) -> int:
@@ -238,32 +162,6 @@ def adapter_only_state(accelerator, model):
                              f"--lora_target_modules): {len(tensors)} tensors saved, {len(trained)} expected")
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
-
-
-def load_merged(path: str, dtype: torch.dtype = torch.float32, device=None):
-    """A LoRA checkpoint of train.py (adapter_config.json, adapter weights, tokenizer, and
-    trainer_state.json naming the base model): the base with the adapter merged into its weights,
-    an ordinary model (for evaluation, or to continue training from)."""
-    import agent
-
-    peft = agent.peft_module()
-    state = os.path.join(path, "trainer_state.json")
-    base = (json.load(open(state))["args"]["model"] if os.path.isfile(state)
-            else json.load(open(os.path.join(path, "adapter_config.json")))["base_model_name_or_path"])
-    model, _ = agent.load_model(base, dtype=dtype)
-    model = peft.PeftModel.from_pretrained(model, path).merge_and_unload()
-    tokenizer = agent.load_tokenizer(path, {})
-    if device is not None:
-        model.to(device)
-    return model, tokenizer
-
-
-def save_merged(checkpoint: str, output_dir: str):
-    """Merge a LoRA checkpoint into its base and save a plain model folder (loadable by transformers
-    and vLLM):  python -c "from tools import runs; runs.save_merged('runs/lora/checkpoint-20', 'runs/lora/merged')" """
-    model, tokenizer = load_merged(checkpoint)
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import agent  # noqa: E402
 import retriever  # noqa: E402
+from tools import models  # noqa: E402
 
 
 def render_conversation(conversation: agent.Conversation, tokenizer, color: bool = True) -> str:
@@ -47,7 +48,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    model, tokenizer = agent.load_model(args.model)
+    model, tokenizer = models.load(args.model)
     search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, doc_format=args.doc_format)
     settings = agent.RolloutSettings(agent=args.agent, max_turns=args.max_turns, greedy=not args.sample, evaluation=True,
                                      max_memory_tokens=None,

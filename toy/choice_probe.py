@@ -20,6 +20,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import agent  # noqa: E402
+from tools import models  # noqa: E402
 from toy import oracle  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def main():
     args = ap.parse_args()
     start, stop = map(int, args.rows.split(":"))
     rows = oracle.load_rows(args.data)[start:stop][:args.n]
-    model, tokenizer = agent.load_model(args.model)
+    model, tokenizer = models.load(args.model)
     can, must = (agent.encode(tokenizer, w)[0] for w in (" can", " must"))
     policy = oracle.Oracle(rows, seed=0)
     right, seen, p_right, kind_right, kind_seen = Counter(), Counter(), Counter(), Counter(), Counter()

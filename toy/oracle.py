@@ -309,18 +309,6 @@ def group_experts(rows: list[dict], search, tokenizer, k: int, settings: agent.R
     return agent.rollout(None, tokenizer, rows, search, settings, group_size=k, generate_fn=Oracle(rows, seed=seed))
 
 
-def evidence_share(trajectory, supporting_ids) -> float:
-    """Evidence credit (David-GRPO's evidence-guided reward; train.py --evidence_weight) and the
-    evaluation's evidence recall: the share of the question's supporting passages whose corpus ids
-    are among the documents the trajectory retrieved.
-
-        E = |supporting ∩ retrieved| / |supporting|          (0 for a question without supporting ids)
-    """
-    wanted = {str(i) for i in supporting_ids or ()}
-    seen = {i for turn in trajectory.turns for ids in turn.get("document_ids", ()) for i in ids}
-    return len(wanted & seen) / len(wanted) if wanted else 0.0
-
-
 def main(argv=None):
     import argparse
 
@@ -333,10 +321,10 @@ def main(argv=None):
     ap.add_argument("--show", type=int, default=1, help="print this many kept trajectories")
     args = ap.parse_args(argv)
     import retriever
-    from tools import trajectory
+    from tools import models, trajectory
     from transformers import AutoTokenizer
 
-    folder, name = os.path.split(agent.default_model_file())
+    folder, name = os.path.split(models.default_model_file())
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     search = retriever.open_retriever(corpus=args.corpus or os.path.join(os.path.dirname(args.data), "corpus.jsonl"))
     rows = load_rows(args.data)[:args.n]

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import agent
 from toy import oracle
-from toy.oracle import evidence_share
+from evaluate import evidence_share  # the evaluation's evidence recall, here a reward term
 
 # (flag, toy preset, paper preset, help), as train.HYPERPARAMETERS
 HYPERPARAMETERS = [
