@@ -478,13 +478,14 @@ def main(argv=None, generate_fn=None):
            **prompts,
            "retriever": args.retriever_url or [args.corpus, args.index, args.encoder]}  # a resumed run must match
     os.makedirs(args.output_dir, exist_ok=True)
+    runs.check_shared_folder(accelerator, args.output_dir)  # the first rank merges every rank's file
     done = runs.finished(args.output_dir, run, warn=accelerator.is_main_process)
     mine = [q for q in questions[rank::world] if runs.key(q) not in done]
     todo = sum(runs.key(q) not in done for q in questions)
     accelerator.print(f"{len(questions)} questions in {len(datasets)} datasets ({', '.join(datasets)}); "
                       f"{len(questions) - todo} already in {args.output_dir}; {todo} to go on {world} process(es)")
     set_seed(args.seed)
-    with accelerator.main_process_first():  # also: every rank has read the old files before any writes
+    with accelerator.local_main_process_first():  # also: every rank has read the old files before any writes
         search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, check=True,
                                           doc_format=args.doc_format, timeout=args.retriever_timeout,
                                           retries=args.retriever_retries, device=device) if mine else None

@@ -142,8 +142,10 @@ class Corpus:
                 offsets = saved[2:]
         if offsets is None:
             offsets = line_offsets(path)
-            try:
-                np.save(cache, np.concatenate([stamp, offsets]))
+            try:  # under a name of this process's, then renamed: processes building it at once never mix
+                with open(f"{cache}.{os.getpid()}.tmp", "wb") as f:
+                    np.save(f, np.concatenate([stamp, offsets]))
+                os.replace(f"{cache}.{os.getpid()}.tmp", cache)
             except OSError:  # read-only folder: keep the table in memory only
                 pass
         self.offsets = offsets
@@ -222,18 +224,20 @@ def index_stamp(corpus: Corpus, encoder_name: str) -> dict:
 
 def build_index(corpus: Corpus, encoder: Encoder, index_path: str, chunk: int = 8192) -> faiss.Index:
     """Encode every passage (with the passage prefix) into an IndexFlatIP; row i = corpus line i.
-    Written to a temporary name and renamed, so an interrupted build leaves no half index."""
+    Written to a temporary name of this process's and renamed, so an interrupted build leaves no half
+    index and processes building it at once (one per machine) never mix their writes."""
     import faiss  # imported where an index is built or read: a remote retriever needs none
 
     index = faiss.IndexFlatIP(encoder.dim)
     for s in tqdm(range(0, len(corpus), chunk), desc="building index", disable=len(corpus) <= chunk):
         texts = [corpus[i]["contents"] for i in range(s, min(s + chunk, len(corpus)))]
         index.add(encoder.encode(texts, kind="passage", progress=len(corpus) <= chunk))
-    tmp = index_path + ".tmp"
+    tmp = f"{index_path}.{os.getpid()}.tmp"
     faiss.write_index(index, tmp)
-    with open(index_path + ".json", "w") as f:  # what the index was built from, for reuse checks
+    with open(tmp + ".json", "w") as f:  # what the index was built from, for reuse checks
         json.dump(index_stamp(corpus, encoder.name), f)
     os.replace(tmp, index_path)
+    os.replace(tmp + ".json", index_path + ".json")
     return index
 
 
@@ -642,7 +646,8 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=5, help="hits per query for `search`")
     ap.add_argument("--doc_format", choices=DOC_FORMATS, default=None,
                     help="`search`: print the documents as the model sees them, in this format (default: hits with scores)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="`serve`: 127.0.0.1 answers this machine only; 0.0.0.0 (every "
+                    "interface) lets other machines reach it. No authentication: keep it inside the cluster's network")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--batch_window_ms", type=float, default=5.0,
                     help="`serve`: merge requests arriving within this many ms into one search (0: off)")
@@ -672,6 +677,9 @@ def main(argv=None):
         return
     server = make_server(retriever, args.host, args.port, batch_window_ms=args.batch_window_ms)
     url = f"http://{args.host}:{server.server_address[1]}"
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host}: anyone who reaches this port can query the server (no authentication); "
+              "keep it inside the cluster's network")
     print(f"serving {len(retriever.corpus)} passages on {url}/retrieve and {url}/search "
           f"(batch window {args.batch_window_ms:g} ms)")
     try:

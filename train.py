@@ -178,13 +178,14 @@ def main(argv=None, generate_fn=None):
                                         kwargs_handlers=runs.accelerator_settings(args))
     rank, world = accelerator.process_index, accelerator.num_processes
     check_config(args, world, accelerator.distributed_type, getattr(accelerator.state, "fsdp_plugin", None))
+    runs.check_shared_folder(accelerator, args.output_dir)  # on two machines: a shared file system
     accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}; precision: float32 trained weights, "
                       f"{'no autocast' if precision == 'no' else precision + ' autocast'} (--mixed_precision {args.mixed_precision})")
     questions = load_questions(args.train_data)
     if len(questions) < args.batch_size:
         raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
     set_seed(args.seed)
-    with accelerator.main_process_first():  # the main process builds a missing index cache first
+    with accelerator.local_main_process_first():  # each machine's first process builds a missing index cache first
         search = retriever.open_retriever(args.corpus, args.index, args.encoder, url=args.retriever_url, check=True,
                                           doc_format=args.doc_format, timeout=args.retriever_timeout,
                                           retries=args.retriever_retries,

@@ -363,6 +363,18 @@ def test_two_processes_equal_one_and_resume_sharded(tiny_lm_dir, small_corpus, t
     assert not [p for p in os.listdir(tmp_path / "cut") if p.startswith("predictions.rank")]
 
 
+def test_an_output_folder_not_shared_by_two_machines_stops_every_rank(tiny_lm_dir, small_corpus, tiny_encoder_dir, tmp_path):
+    """Two "machines" (torchrun --nnodes 2), each launched from its own folder with the same relative
+    --output_dir: the first rank could never merge the other's predictions, so both stop at once."""
+    from train_helpers import run_two_machines
+
+    argv = args_for(tiny_lm_dir, small_corpus, tiny_encoder_dir, "runs/eval", "--limit", 2)
+    for code, out in run_two_machines(os.path.join(ROOT, "evaluate.py"), argv, [tmp_path / "m0", tmp_path / "m1"]):
+        assert code != 0 and "evaluate.py: --output_dir runs/eval is not one folder for every machine" in out, out[-2000:]
+        assert "rank 1 on machine 1" in out and "Loading weights" not in out
+    assert os.listdir(tmp_path / "m1" / "runs" / "eval") == []  # no prediction file on either machine
+    assert os.listdir(tmp_path / "m0" / "runs" / "eval") == []
+
 def test_bootstrap_interval_by_hand():
     assert evaluate.bootstrap_interval([0.5] * 7) == [0.5, 0.5]  # no spread, no width
     lo, hi = evaluate.bootstrap_interval([1.0] * 20 + [0.0] * 20)

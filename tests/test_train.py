@@ -7,6 +7,7 @@ import math
 import types
 import os
 import random
+import socket
 from collections import Counter
 
 import pytest
@@ -17,7 +18,7 @@ import agent
 import train
 from tools import models, runs
 from toy import recipe
-from train_helpers import FSDP, base_args, run_two_processes, state
+from train_helpers import FSDP, base_args, run_two_machines, run_two_processes, state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = {"step", "reward", "em", "f1", "format_valid", "turns", "searches", "conversations_per_trajectory",
@@ -327,6 +328,23 @@ def test_fsdp_resume_reproduces_the_next_step(two_process_args, fsdp_run, tmp_pa
     run_two_processes(two_process_args(tmp_path, resume=True), **FSDP)
     a, b = state(out / "checkpoint-2"), state(tmp_path / "checkpoint-2")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_folder_not_shared_by_two_machines_stops_every_rank(tiny_lm_dir, small_corpus, tiny_encoder_dir,
+                                                                   yes_questions, tmp_path):
+    """Two "machines" (torchrun --nnodes 2, a process each), each launched from its own folder with
+    the same relative --output_dir, so rank 1 cannot see what rank 0 writes: both stop at start-up
+    with the named error, before any model loads and without a hang or a collective mismatch."""
+    argv = base_args(tiny_lm_dir, small_corpus, tiny_encoder_dir, "runs/x", train_data=yes_questions, batch_size=2)
+    results = run_two_machines(os.path.join(ROOT, "train.py"), argv, [tmp_path / "machine0", tmp_path / "machine1"])
+    for code, out in results:
+        assert code != 0, out[-2000:]
+        assert "train.py: --output_dir runs/x is not one folder for every machine: rank 0 on machine 0" in out, out[-2000:]
+        assert f"rank 1 on machine 1 ({socket.gethostname()}) does not see it in {tmp_path / 'machine1' / 'runs' / 'x'}" in out
+        assert "Fix: give --output_dir a folder on a file system every machine mounts" in out
+        assert "Loading weights" not in out  # stopped before anything was loaded
+    assert not (tmp_path / "machine1" / "runs").exists()  # and nothing was written on the other machine
+    assert os.listdir(tmp_path / "machine0" / "runs" / "x") == []  # the first rank's check file is removed
 
 
 def test_a_step_with_every_group_tied_trains_nothing_and_the_run_goes_on(tiny_lm_dir, small_corpus, tiny_encoder_dir,

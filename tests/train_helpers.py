@@ -71,3 +71,20 @@ def answering(answer):
             outs.append(agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True))
         return outs
     return generate
+
+
+def run_two_machines(script, argv, folders, timeout=120):
+    """`torchrun --nnodes 2 --node_rank 0|1 --nproc_per_node 1` on 127.0.0.1: two "machines", each
+    launched from its own folder (its working directory); returns each one's (exit code, output)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    procs = []
+    for node, folder in enumerate(folders):
+        os.makedirs(folder, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
+               "1", "--master_addr", "127.0.0.1", "--master_port", str(port), script, *argv]
+        procs.append(subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]

@@ -5,6 +5,7 @@
     python tools/memory_plan.py --model 7B --strategy lora --gpus 1 --gpu_gb 80 --lora_rank 32
     python tools/memory_plan.py --validate                          # plan vs measured peak RSS on this CPU
     python tools/memory_plan.py --host [--validate_host]            # host RAM of start-up per rank and node
+    python tools/memory_plan.py --host --gpus 4 --machines 2        # 2 x 4 GPUs beside 1 x 8: per rank, per machine
 
 The plan is split by what it plans (docs/memory_plan.md):
   tools/memory_gpu.py    each rank's peak GPU memory, phase by phase and term by term
@@ -17,7 +18,7 @@ import dataclasses
 import sys
 
 from memory_gpu import MODELS, Dims, GiB, Setup, count_params, dims_from_config, gb, label, peak, phases
-from memory_host import host_table
+from memory_host import RETRIEVER_NODE, host_start_up, host_table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +133,21 @@ def goals(base: Setup) -> str:
     return "\n".join(lines)
 
 
+def machines_table(base: Setup, ranks: int, machines: int, models=("3B", "7B")) -> str:
+    """FSDP over one machine or several, the same W ranks: each rank's GPU memory (it depends on W,
+    not on where the ranks are) and each machine's host RAM (its own ranks only)."""
+    layouts = list(dict.fromkeys([(1, ranks), (machines, ranks // machines)] if machines > 1 else [(1, 8), (2, 4)]))
+    lines = [f"FSDP on one machine or two, the same ranks; R = {base.rollout_batch_size}, the rest as the paper preset",
+             "", "| model | machines x GPUs | GPU per rank (phase) | host RAM per machine | the machine with the wiki-18 server |",
+             "| --- " * 5 + "|"]
+    for name in models:
+        for n, per in layouts:
+            total, phase = peak(dataclasses.replace(base, dims=MODELS[name], strategy="fsdp", gpus=n * per))
+            node = sum(t.bytes for t in host_start_up(MODELS[name], "fsdp", per))
+            lines.append(f"| {name} | {n} x {per} | {gb(total)} ({phase}) | {gb(node)} | {gb(node + RETRIEVER_NODE)} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Command line
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +157,8 @@ def parse_args(argv=None):
     ap.add_argument("--model", default=None, choices=list(MODELS), help="a breakdown for this model (else the table)")
     ap.add_argument("--config", default=None, help="an HF config.json instead of --model")
     ap.add_argument("--strategy", default="fsdp", choices=["ddp", "fsdp", "lora"])
-    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs per machine")
+    ap.add_argument("--machines", type=int, default=1, help="machines: W = machines x gpus ranks; host RAM is per machine")
     ap.add_argument("--gpu_gb", type=float, default=80)
     ap.add_argument("--rollout_batch_size", type=int, default=64, help="R rows per generate call (0: all the rank's rows)")
     ap.add_argument("--micro_batch_size", type=int, default=4)
@@ -165,7 +182,7 @@ def parse_args(argv=None):
 
 def setup_from_args(args, dims: Dims) -> Setup:
     """The Setup the flags describe (T sets both the conversations' and the rollout's context)."""
-    return Setup(dims, strategy=args.strategy, gpus=args.gpus, precision=args.precision,
+    return Setup(dims, strategy=args.strategy, gpus=args.gpus * args.machines, precision=args.precision,
                  rollout_batch_size=args.rollout_batch_size, batch_size=args.batch_size, group_size=args.group_size,
                  micro_batch_size=args.micro_batch_size, tokens=args.tokens, context_tokens=args.tokens,
                  prefill_tokens=min(args.prefill_tokens, args.tokens), response_tokens=args.response_tokens,
@@ -182,6 +199,7 @@ def main(argv=None):
         sys.exit(0 if memory_check.validate() else 1)
     if args.host or args.validate_host:
         print(host_table())
+        print("\n" + machines_table(setup_from_args(args, MODELS["7B"]), args.gpus * args.machines, args.machines))
         if args.validate_host:
             import memory_check
             sys.exit(0 if memory_check.validate_host() else 1)
@@ -193,6 +211,9 @@ def main(argv=None):
         total, phase = peak(s)
         verdict = "fits" if total <= args.gpu_gb * GiB else "does not fit"
         print(f"{verdict} in {args.gpu_gb:g} GB; best for this GPU: {fit_line(s, args.gpu_gb)}")
+        node = sum(t.bytes for t in host_start_up(dims, args.strategy, 1 if args.strategy == "lora" else args.gpus))
+        print(f"host RAM of start-up per machine ({args.machines} machine(s) x {args.gpus} GPUs): {gb(node)}, "
+              f"{gb(node + RETRIEVER_NODE)} on the one with the wiki-18 server (memory_host.py)")
         return
     base = setup_from_args(args, MODELS["3B"])
     print("parameter counts (from the dims):\n" + param_check())

@@ -1,7 +1,7 @@
 """The few-GPU path rehearsed on CPUs, from an empty folder to results.md: the README's
 "Reproduce the paper" commands, run as the README writes them but for sizes.
 
-    python tools/rehearsal.py                   # (make rehearsal) about 3 minutes on 2 cores
+    python tools/rehearsal.py                   # (make rehearsal) about 2 minutes on 2 cores
     python tools/rehearsal.py --work DIR        # keep what it made in DIR (default: a temporary folder)
 
 1. A stand-in hub on 127.0.0.1 (HF_ENDPOINT) holds tiny files in the real layouts: Search-R1's NQ +
@@ -17,6 +17,14 @@
 3. After each command, what it must leave: the files, metrics rows per step, the checkpoints,
    the resumed step, a results row per benchmark. A command that fails, or leaves less, stops
    the rehearsal with its command line and its output's end.
+4. Then docs/reproduce.md's "Two machines" block, the same way: two launchers on 127.0.0.1, one per
+   "machine", each started in its own folder with its own copy of the data (the block's download
+   runs in each), the retrieval server once, and the run folder shared. Each pair of lines (they
+   differ only in --machine_rank) runs at once: FSDP2 training, its resume, the sharded evaluation.
+   Before them the training pair runs once with a --output_dir that is not shared (the same relative
+   path in each folder), and both machines must stop with train.py's error naming the folder.
+   Replacements as above, and: MACHINE0 is 127.0.0.1, its port a free one, 8 processes are 2,
+   `/shared/runs/` lies in the rehearsal's folder, and the scripts are named by their full path.
 """
 import argparse
 import gzip
@@ -161,32 +169,51 @@ def hub_files(encoder: str, folder: str, passages: int = 60) -> dict:
 # ---------------------------------------------------------------------------------------------
 # 2. The README's commands, as written but for sizes
 # ---------------------------------------------------------------------------------------------
-def readme_commands(readme: str) -> list[str]:
-    """The shell commands of the first bash block under "## Reproduce the paper" (continued lines
-    joined, comments dropped)."""
-    text = open(readme).read()
-    section = re.search(r"^## Reproduce the paper.*?^```bash\n(.*?)^```", text, re.S | re.M)
+def block_commands(path: str, heading: str) -> list[str]:
+    """The shell commands of the first bash block under the heading that contains `heading`
+    (continued lines joined, comments dropped)."""
+    text = open(path).read()
+    section = re.search(r"^##+ [^\n]*" + re.escape(heading) + r".*?^```bash\n(.*?)^```", text, re.S | re.M)
     if not section:
-        raise RehearsalError(f"{readme}: no bash block under a '## Reproduce the paper' heading")
+        raise RehearsalError(f"{path}: no bash block under a heading with {heading!r}")
     lines = [re.sub(r"\s+#.*$", "", line).rstrip() for line in section.group(1).replace("\\\n", " ").splitlines()]
     return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
-def sized(command: str, work: dict) -> list[str]:
+def readme_commands(readme: str) -> list[str]:
+    """The README's "## Reproduce the paper" block."""
+    return block_commands(readme, "Reproduce the paper")
+
+
+def two_machine_commands(docs: str) -> list[str]:
+    """docs/reproduce.md's "Two machines" block."""
+    return block_commands(docs, "Two machines")
+
+
+def sized(command: str, work: dict, machine: bool = False) -> list[str]:
     """One README command made runnable here: the replacements of the module docstring (on GPUs,
-    `--on_gpus`, the server's encoder stays on cuda:0 and the launches use NCCL)."""
-    for real, stand_in in (("Qwen/Qwen2.5-3B-Instruct", work["model"]), ("intfloat/e5-base-v2", work["encoder"]),
-                           ("cuda:0", "cuda:0" if work["on_gpus"] else "cpu"), ("--host 0.0.0.0 --port 8000", f"--host 127.0.0.1 --port {work['port']}"),
-                           ("http://HOST:8000", f"http://127.0.0.1:{work['port']}"), ("--num_processes 4", "--num_processes 2"),
-                           ("data/paper", os.path.join(work["dir"], "data", "paper")), ("runs/", os.path.join(work["dir"], "runs", ""))):
+    `--on_gpus`, the server's encoder stays on cuda:0 and the launches use NCCL). `machine`: a
+    two-machine line, run in its machine's own folder (its data relative to it, the scripts by path)."""
+    replacements = [("Qwen/Qwen2.5-3B-Instruct", work["model"]), ("Qwen/Qwen2.5-7B-Instruct", work["model"]),
+                    ("intfloat/e5-base-v2", work["encoder"]), ("cuda:0", "cuda:0" if work["on_gpus"] else "cpu"),
+                    ("--host 0.0.0.0 --port 8000", f"--host 127.0.0.1 --port {work['port']}"),
+                    ("http://HOST:8000", f"http://127.0.0.1:{work['port']}"), ("http://MACHINE0:8000", f"http://127.0.0.1:{work['port']}"),
+                    ("--main_process_ip MACHINE0", "--main_process_ip 127.0.0.1"), ("--main_process_port 29500", f"--main_process_port {work['rendezvous']}"),
+                    ("--num_processes 4", "--num_processes 2"), ("--num_processes 8", "--num_processes 2"),
+                    ("/shared/runs/", os.path.join(work["dir"], "shared", "runs", ""))]
+    if not machine:
+        replacements += [("data/paper", os.path.join(work["dir"], "data", "paper")), ("runs/", os.path.join(work["dir"], "runs", ""))]
+    for real, stand_in in replacements:
         command = command.replace(real, stand_in)
     argv = shlex.split(command.rstrip("& "))
     if argv[:2] == ["accelerate", "launch"]:
-        argv[:2] = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--dynamo_backend", "no",
-                    "--main_process_port", str(free_port())]
+        one_machine = [] if "--num_machines" in argv else ["--num_machines", "1", "--main_process_port", str(free_port())]
+        argv[:2] = [sys.executable, "-m", "accelerate.commands.launch", *one_machine, "--dynamo_backend", "no"]
     elif argv[0] == "python":
         argv[0] = sys.executable
-    script = next((a for a in argv if a.endswith(".py") and not a.startswith("-")), "")
+    k, script = next(((k, a) for k, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), (0, ""))
+    if machine and script:
+        argv[k] = os.path.join(ROOT, script)
     return argv + {"train.py": TRAIN_SIZE, "evaluate.py": EVAL_SIZE}.get(os.path.basename(script), [])
 
 
@@ -196,11 +223,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(argv: list[str], env: dict, what: str, timeout: int = 300) -> str:
+def run(argv: list[str], env: dict, what: str, timeout: int = 300, cwd: str = ROOT) -> str:
     print(f"$ {shlex.join(argv)}", flush=True)
     t0 = time.time()
     try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RehearsalError(f"{what}: no end after {timeout} s:\n  {shlex.join(argv)}") from None
     if done.returncode:
@@ -209,10 +236,10 @@ def run(argv: list[str], env: dict, what: str, timeout: int = 300) -> str:
     return done.stdout
 
 
-def serve(argv: list[str], env: dict, port: int):
+def serve(argv: list[str], env: dict, port: int, cwd: str = ROOT):
     """Start the README's retrieval server in the background; return it once it answers."""
     print(f"$ {shlex.join(argv)} &", flush=True)
-    server = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for _ in range(240):
         if server.poll() is not None:
             raise RehearsalError(f"the retrieval server stopped (exit {server.returncode}):\n  {shlex.join(argv)}\n"
@@ -259,18 +286,26 @@ def check_evaluation(argv: list[str], benchmarks: list[str]):
     expect(table.count("| EM |") >= 1 and "Bamboogle" in table and "MuSiQue" in table, f"{out}/results.md: no main table")
 
 
-def rehearse(work_dir: str, readme: str = os.path.join(ROOT, "README.md"), on_gpus: bool = False):
-    from data.questions import PAPER_SPLIT
-
-    commands = readme_commands(readme)
+def prepare(work_dir: str, on_gpus: bool = False) -> tuple[dict, "StandInHub", dict]:
+    """The tiny models, the stand-in hub, and the environment every command runs in."""
     os.makedirs(work_dir, exist_ok=True)
     model, encoder = tiny_models(work_dir)
     hub = StandInHub(hub_files(encoder, work_dir))
-    port = free_port()
-    work = {"dir": work_dir, "model": model, "encoder": encoder, "port": port, "on_gpus": on_gpus}
+    work = {"dir": work_dir, "model": model, "encoder": encoder, "port": free_port(), "rendezvous": free_port(),
+            "on_gpus": on_gpus}
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=os.path.join(work_dir, ".hf"), HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT)
+    return work, hub, env
+
+
+def rehearse(work_dir: str, readme: str = os.path.join(ROOT, "README.md"), on_gpus: bool = False,
+             docs: str | None = os.path.join(ROOT, "docs", "reproduce.md")):
+    """The README's block on one "machine", then (unless `docs` is None) the two-machine block."""
+    from data.questions import PAPER_SPLIT
+
+    commands = readme_commands(readme)
+    work, hub, env = prepare(work_dir, on_gpus)
     server, trained = None, {}
     t0 = time.time()
     try:
@@ -278,7 +313,7 @@ def rehearse(work_dir: str, readme: str = os.path.join(ROOT, "README.md"), on_gp
             argv = sized(command, work)
             script = os.path.basename(next((a for a in argv if a.endswith(".py") and not a.startswith("-")), ""))
             if command.rstrip().endswith("&"):
-                server = serve(argv, env, port)
+                server = serve(argv, env, work["port"])
             elif script == "download.py":
                 out = run(argv, env, "the data download")
                 expect(len(hub.gets) == len(hub.files) and "Next:" in out, f"download: got {len(hub.gets)} of {len(hub.files)} files")
@@ -290,11 +325,7 @@ def rehearse(work_dir: str, readme: str = os.path.join(ROOT, "README.md"), on_gp
                 sharded = "--use_fsdp" not in argv or "2 process(es), FSDP" in out
                 expect(sharded, f"FSDP asked for, but train.py reported:\n{out[:500]}")
                 check_training(argv, 2)
-                longer = argv[:]
-                longer[longer.index("--max_steps") + 1] = "3"  # interrupted after step 2: the same command with --resume
-                run(longer + ["--resume"], env, "the resumed training")
-                trained["full"] = check_training(longer, 3)
-                expect(metric_steps(trained["full"])[-1] == 3, "the resumed run did not log step 3")
+                trained["full"] = check_training(run_resumed([argv], env, [ROOT])[0], 3)
             elif script == "evaluate.py":
                 run(argv, env, "evaluation")
                 check_evaluation(argv, list(PAPER_SPLIT))
@@ -306,17 +337,136 @@ def rehearse(work_dir: str, readme: str = os.path.join(ROOT, "README.md"), on_gp
             server.wait(timeout=30)
     expect({"full", "lora"} <= set(trained), f"the README's block trained {sorted(trained)}: not a full and a LoRA run")
     print(f"rehearsal passed in {time.time() - t0:.0f} s: {len(commands)} commands of the README, in {work_dir}")
+    if docs:
+        rehearse_two_machines(work, env, docs)
+
+
+def run_resumed(argvs: list[list[str]], env: dict, cwds: list[str]) -> list[list[str]]:
+    """The training command(s) interrupted after step 2: the same with --resume, to step 3."""
+    longer = [a[:] for a in argvs]
+    for a in longer:
+        a[a.index("--max_steps") + 1] = "3"
+        a.append("--resume")
+    if len(longer) == 1:
+        run(longer[0], env, "the resumed training", cwd=cwds[0])
+    else:
+        run_pair(longer, env, "the resumed training on two machines", cwds)
+    expect(metric_steps(longer[0][longer[0].index("--output_dir") + 1])[-1] == 3, "the resumed run did not log step 3")
+    return longer
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Two machines: docs/reproduce.md's block, a launcher per "machine" folder, the run folder shared
+# ---------------------------------------------------------------------------------------------
+def machine_steps(commands: list[str]) -> list[list[str]]:
+    """The block as steps: a line without --machine_rank alone, a machine-0 line with the machine-1
+    line that follows it (the same line but for its rank) as a pair."""
+    steps, k = [], 0
+    while k < len(commands):
+        line = commands[k]
+        if "--machine_rank" not in line:
+            steps.append([line])
+            k += 1
+            continue
+        pair = commands[k:k + 2]
+        same = len(pair) == 2 and re.sub(r"--machine_rank \d+", "", pair[0]) == re.sub(r"--machine_rank \d+", "", pair[1])
+        expect(same and "--machine_rank 0" in pair[0] and "--machine_rank 1" in pair[1],
+               "two-machine block: a --machine_rank 0 line must be followed by the same line with --machine_rank 1:\n  "
+               + "\n  ".join(pair))
+        steps.append(pair)
+        k += 2
+    return steps
+
+
+def launch_pair(argvs: list[list[str]], env: dict, cwds: list[str], timeout: int = 300) -> list[tuple[int, str]]:
+    """Both machines' launchers at once, each in its folder; (exit code, output) of each."""
+    for argv, cwd in zip(argvs, cwds):
+        print(f"$ (cd {cwd}) {shlex.join(argv)} &", flush=True)
+    procs = [subprocess.Popen(a, cwd=c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for a, c in zip(argvs, cwds)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RehearsalError(f"no end after {timeout} s on two machines:\n  " + "\n  ".join(map(shlex.join, argvs))) from None
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+
+
+def run_pair(argvs: list[list[str]], env: dict, what: str, cwds: list[str]) -> list[str]:
+    t0 = time.time()
+    results = launch_pair(argvs, env, cwds)
+    for machine, (argv, (code, out)) in enumerate(zip(argvs, results)):
+        if code:
+            raise RehearsalError(f"{what} failed on machine {machine} (exit {code}):\n  {shlex.join(argv)}\n{out[-3000:]}")
+    print(f"  ok in {time.time() - t0:.0f} s", flush=True)
+    return [out for _, out in results]
+
+
+def check_unshared_folder_stops_both(argvs: list[list[str]], env: dict, cwds: list[str]):
+    """The training pair with the same relative --output_dir in each machine's folder: two folders,
+    so both machines must stop at start-up with train.py's error naming it."""
+    unshared = [a[:] for a in argvs]
+    for a in unshared:
+        a[a.index("--output_dir") + 1] = os.path.join("runs", "not-shared")
+    t0 = time.time()
+    for machine, (code, out) in enumerate(launch_pair(unshared, env, cwds, timeout=120)):
+        expect(code != 0 and "--output_dir runs/not-shared is not one folder for every machine" in out,
+               f"a --output_dir that the two machines do not share: machine {machine} gave (exit {code}):\n{out[-2000:]}")
+    print(f"  both machines stopped, naming the folder, in {time.time() - t0:.0f} s", flush=True)
+
+
+def rehearse_two_machines(work: dict, env: dict, docs: str):
+    """docs/reproduce.md's "Two machines" block, run as written but for sizes (the module docstring, 4)."""
+    from data.questions import PAPER_SPLIT
+
+    t0 = time.time()
+    steps = machine_steps(two_machine_commands(docs))
+    cwds = [os.path.join(work["dir"], f"machine{k}") for k in (0, 1)]
+    for cwd in cwds:
+        os.makedirs(cwd, exist_ok=True)
+    work = {**work, "port": free_port()}
+    server, trained = None, False
+    try:
+        for step in steps:
+            work["rendezvous"] = free_port()
+            argvs = [sized(line, work, machine=True) for line in step]
+            script = os.path.basename(next((a for a in argvs[0] if a.endswith(".py") and not a.startswith("-")), ""))
+            if step[0].rstrip().endswith("&"):
+                server = serve(argvs[0], env, work["port"], cwd=cwds[0])
+            elif len(step) == 1:  # a line for each machine (the download), in its own folder
+                for cwd in cwds:
+                    run(argvs[0], env, f"the block's command {step[0]!r}", cwd=cwd)
+            elif script == "train.py":
+                check_unshared_folder_stops_both(argvs, env, cwds)
+                outs = run_pair(argvs, env, "training on two machines", cwds)
+                expect("2 process(es), FSDP" in outs[0], f"FSDP over two machines asked for, but train.py reported:\n{outs[0][:500]}")
+                check_training(argvs[0], 2)
+                check_training(run_resumed(argvs, env, cwds)[0], 3)
+                trained = True
+            elif script == "evaluate.py":
+                run_pair(argvs, env, "evaluation on two machines", cwds)
+                check_evaluation(argvs[0], list(PAPER_SPLIT))
+            else:
+                run_pair(argvs, env, f"the block's pair {step[0]!r}", cwds)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    expect(trained, f"{docs}: the two-machine block has no training pair")
+    print(f"two-machine rehearsal passed in {time.time() - t0:.0f} s: {sum(map(len, steps))} lines of {docs}")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=None, help="the folder everything lands in (default: a temporary one, removed after)")
     ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "reproduce.md"), help="the page with the two-machine block")
     ap.add_argument("--on_gpus", action="store_true", help="2 GPUs or more: the same sequence over NCCL (tools/gpu_check.py)")
     args = ap.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="rehearsal-")
     try:
-        rehearse(os.path.abspath(work), args.readme, args.on_gpus)
+        rehearse(os.path.abspath(work), args.readme, args.on_gpus, args.docs)
     except RehearsalError as e:
         raise SystemExit(f"rehearsal failed: {e}") from None
     finally:

@@ -15,13 +15,17 @@ import json
 import os
 import re
 import shutil
+import socket
+import sys
+import time
+import uuid
 from collections import Counter
 
 import torch
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. The Accelerator: process-group settings, sharded passes in step, precision
+# 1. The Accelerator: process-group settings, a run folder every rank sees, sharded passes in step, precision
 # ---------------------------------------------------------------------------------------------
 def accelerator_settings(args):
     """What the Accelerator is built with: a process-group timeout (--timeout_minutes), and DDP's
@@ -53,6 +57,46 @@ def make_accelerator(multi_cpu: bool, **kwargs):
         accelerator.state.fsdp_plugin = plugin
         accelerator.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     return accelerator
+
+
+def check_shared_folder(accelerator, folder: str, flag: str = "--output_dir", wait_seconds: float = 5.0):
+    """Every rank must see what the first rank writes in `folder`: train.py's checkpoints (every
+    rank reads its own state back on --resume), its warm start and logs, evaluate.py's prediction
+    files (merged by the first rank). On several machines, that is a file system they all mount.
+    The first rank writes a file of a fresh name there; every rank looks for it (up to
+    `wait_seconds`: a network file system may show a new file late); if any rank cannot see it,
+    every rank stops with the same message: the folder as each machine resolves it, who cannot see
+    it, and the fix. Nothing is loaded yet, so it fails within seconds of the ranks meeting, never
+    as a hang, a collective mismatch later, or a quiet fresh start on one machine."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    token = [uuid.uuid4().hex if accelerator.is_main_process else None]
+    broadcast_object_list(token)  # the first rank's name for the file, to every rank
+    path = os.path.join(folder, f".shared-folder-check-{token[0]}")
+    if accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        open(path, "w").close()
+    accelerator.wait_for_everyone()
+    deadline = time.time() + wait_seconds
+    while not os.path.isfile(path) and time.time() < deadline:
+        time.sleep(0.5)
+    machine = f"machine {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
+    views = gather_object([(accelerator.process_index, machine, os.path.abspath(folder), os.path.isfile(path))])
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.remove(path)
+    blind = [v for v in views if not v[3]]
+    if blind:
+        _, first_machine, first_path, _ = views[0]
+        script = os.path.basename(sys.argv[0]) or "python"
+        raise SystemExit("\n".join(
+            [f"{script}: {flag} {folder} is not one folder for every machine: rank 0 on {first_machine} wrote a file in {first_path},",
+             *(f"  and rank {rank} on {m} does not see it in {where}" for rank, m, where, _ in blind),
+             "Every rank reads what the first rank writes there (checkpoints on --resume, the warm start, evaluation's "
+             "predictions).", f"Fix: give {flag} a folder on a file system every machine mounts (NFS, Lustre, a shared "
+             f"home), e.g. {flag} /shared/runs/NAME"]))
 
 
 @contextlib.contextmanager
