@@ -60,4 +60,5 @@ bench: install
 	$(PYTHON) bench/retriever.py
 	$(PYTHON) bench/grpo.py
 	$(PYTHON) bench/rollout.py
+	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/train_memory.py
