@@ -6,6 +6,7 @@ import torch
 
 import agent
 from agent import Generation
+from tools import kv_cache
 
 Q = {"id": "q1", "question": "Where was Velmora Quint born?", "golden_answers": ["Osk", "Osk town"]}
 CALL = '<tool_call>\n{"name": "wikipedia_search", "arguments": {"query": "Velmora Quint"}}\n</tool_call>'
@@ -401,29 +402,8 @@ def test_a_fresh_batch_frees_the_previous_cache_first(tiny_lm, tokenizer, monkey
     assert held == [False, True, False]
 
 
-def test_growing_layer_by_hand():
-    """agent.GrowingLayer: room made in advance, each update written into it (no new buffer), a view
-    of the filled part returned; past the room the buffer doubles keeping what it held; transformers'
-    own edits (batch selection) adopt their result as the buffer."""
-    layer = agent.GrowingLayer()
-    layer.make_room(5)
-    k = torch.arange(2 * 3 * 2, dtype=torch.float32).view(2, 1, 3, 2)
-    keys, values = layer.update(k, -k)
-    assert layer._keys.shape == (2, 1, 5, 2) and layer.get_seq_length() == 3 and torch.equal(keys, k)
-    buffer, new = layer._keys, torch.full((2, 1, 1, 2), 9.0)
-    keys, _ = layer.update(new, -new)
-    assert layer._keys is buffer and keys.data_ptr() == buffer.data_ptr() and keys.shape == (2, 1, 4, 2)
-    assert torch.equal(keys[:, :, 3], new[:, :, 0]) and torch.equal(keys[:, :, :3], k)
-    layer.update(new, -new)
-    layer.update(new, -new)  # the sixth position: past the room of 5
-    assert layer._keys.shape[2] == 10 and layer.get_seq_length() == 6 and torch.equal(layer.keys[:, :, :3], k)
-    layer.batch_select_indices(torch.tensor([1]))
-    assert layer.keys.shape == (1, 1, 6, 2) and layer.get_seq_length() == 6 and torch.equal(layer.values, -layer.keys)
-    assert torch.equal(layer.keys[0, 0, :3], k[1, 0])
-
-
 def test_the_cache_written_in_place_equals_transformers_own(tiny_lm, tokenizer, monkeypatch):
-    """agent.room_for (keys and values written in place into room made in advance) against
+    """tools/kv_cache.room_for (keys and values written in place into room made in advance) against
     transformers' DynamicCache (a concatenation a step, `room_for` made a no-op): the same greedy
     tokens and the same recorded log-probs, exactly, statelessly and across CachedGenerate's shared
     prefix and continuation after a tool response."""
@@ -439,8 +419,8 @@ def test_the_cache_written_in_place_equals_transformers_own(tiny_lm, tokenizer, 
         return agent.generate(model, tokenizer, prompts, **kw) + first + cached(model, tokenizer, follow, **kw), cached
 
     ours, cached = rollout_calls()
-    assert {type(layer) for layer in cached.cache.layers} == {agent.GrowingLayer}
-    monkeypatch.setattr(agent, "room_for", lambda cache, model, tokens: cache)  # the plain path
+    assert {type(layer) for layer in cached.cache.layers} == {kv_cache.GrowingLayer}
+    monkeypatch.setattr(kv_cache, "room_for", lambda cache, model, tokens: cache)  # the plain path
     theirs, plain = rollout_calls()
     assert {type(layer).__name__ for layer in plain.cache.layers} == {"DynamicLayer"}
     assert [(o.ids, o.logprobs, o.finished) for o in ours] == [(o.ids, o.logprobs, o.finished) for o in theirs]
