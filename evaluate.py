@@ -427,7 +427,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="HF name/path, a train.py checkpoint, or `default` (embedded SmolLM2)")
     ap.add_argument("--data", nargs="+", default=[DEFAULT_DATA], help="jsonl/parquet files or folders (default: toy test set)")
-    ap.add_argument("--agent", default="memsearcher", choices=list(AGENTS))
+    ap.add_argument("--agent", default=None, choices=list(AGENTS),
+                    help="default: the agent a train.py checkpoint was trained as, else memsearcher")
     ap.add_argument("--retriever_url", default=None, help="a retrieval server shared by all ranks: .../retrieve (Search-R1 API) or .../search (the release's); else a local index")
     ap.add_argument("--corpus", default=None, help="local corpus jsonl (default: data/toy/corpus.jsonl)")
     ap.add_argument("--index", default=None, help="local FAISS index (default: built beside the corpus)")
@@ -461,6 +462,10 @@ def main(argv=None, generate_fn=None):
     reference = read_reference(args.reference)  # a bad file fails before anything runs
     if args.compare:
         return compare(args.compare, args.output_dir, reference)
+    trained_as = models.trained_agent(args.model)
+    if args.agent and trained_as and args.agent != trained_as:
+        print(f"evaluate.py: note: {args.model} was trained as {trained_as}, evaluated here as --agent {args.agent}")
+    args.agent = args.agent or trained_as or "memsearcher"
     args.output_dir = args.output_dir or os.path.join("runs", "eval", args.agent)
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     accelerator = Accelerator(cpu=multi_cpu, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(hours=12))])

@@ -275,6 +275,26 @@ def test_scripted_metrics_by_hand_and_compare(tiny_lm_dir, small_corpus, tiny_en
             "questions both answered") in printed
 
 
+def test_a_react_checkpoint_is_evaluated_as_react_unless_told(tiny_lm_dir, small_corpus, tiny_encoder_dir, two_datasets,
+                                                               tmp_path, capsys):
+    """--agent defaults to what the train.py checkpoint was trained as (its trainer_state.json);
+    given the other one, it is used and the mismatch is said."""
+    import json
+    import shutil
+
+    checkpoint = tmp_path / "react_run" / "checkpoint-2"
+    shutil.copytree(tiny_lm_dir, checkpoint)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 2, "args": {"agent": "react"}}))
+    common = ["--corpus", small_corpus, "--encoder", tiny_encoder_dir, "--max_new_tokens", "8", "--data", two_datasets, "--limit", "1"]
+    got = evaluate.main(["--model", str(tmp_path / "react_run"), "--output_dir", str(tmp_path / "a"), *common], generate_fn=scripted())
+    assert got["run"]["agent"] == "react"
+    record = read_jsonl(tmp_path / "a" / "predictions.jsonl")[0]
+    assert "<memory>" not in record["turns"][0]["context"]  # ReAct's prompt
+    got = evaluate.main(["--model", str(checkpoint), "--agent", "memsearcher", "--output_dir", str(tmp_path / "b"), *common],
+                        generate_fn=scripted())
+    assert got["run"]["agent"] == "memsearcher" and "was trained as react, evaluated here as --agent memsearcher" in capsys.readouterr().out
+
+
 def test_paired_difference_by_hand():
     """B - A on the questions both runs answered; question "z" is only in B and does not count."""
     a = [{"dataset": "x", "id": "1", "em": 0.0, "f1": 0.5, "acc": 1.0}, {"dataset": "x", "id": "2", "em": 1.0, "f1": 1.0, "acc": 1.0},

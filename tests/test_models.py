@@ -69,6 +69,22 @@ def test_a_run_folder_stands_for_its_newest_checkpoint(tmp_path):
     assert models.newest_checkpoint(str(tmp_path / "warm_start")) == str(tmp_path / "warm_start")
 
 
+def test_the_agent_a_checkpoint_was_trained_as(tmp_path):
+    """evaluate.py's default --agent: read from the newest checkpoint's trainer_state.json."""
+    import json
+
+    assert models.trained_agent("default") is None and models.trained_agent("Qwen/Qwen2.5-3B-Instruct") is None
+    assert models.trained_agent(str(tmp_path)) is None  # nothing saved yet
+    for name, trained in (("warm_start", "react"), ("checkpoint-2", "memsearcher")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "trainer_state.json").write_text(json.dumps({"step": 2, "args": {"agent": trained}}))
+    assert models.trained_agent(str(tmp_path)) == "memsearcher"  # the newest checkpoint
+    assert models.trained_agent(str(tmp_path / "warm_start")) == "react"
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    assert models.trained_agent(str(tmp_path)) is None
+
+
 def test_one_call_loads_a_folder_a_run_folder_or_an_empty_frame(tmp_path, tiny_lm_dir):
     """models.load: a saved folder and a run folder holding it as checkpoint-3 give the same
     weights; `empty=True` gives the same architecture in the dtype asked for, no weights read."""

@@ -220,6 +220,17 @@ def demos(toy, tokenizer):
     return rows, trajectories, stats
 
 
+@pytest.fixture(scope="module")
+def react_demos(toy, tokenizer):
+    import agent
+    from toy import oracle
+
+    rows = some_rows(toy["train"])
+    settings = agent.RolloutSettings(agent="react")
+    trajectories, stats = oracle.make_demonstrations(rows, fake_search(toy["corpus"]), tokenizer, settings, seed=0)
+    return rows, trajectories, stats
+
+
 def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
     import agent
     from toy import oracle
@@ -267,6 +278,54 @@ def test_oracle_demonstrations_earn_reward_one(demos, tokenizer):
                    for h in r["metadata"]["chain"])  # ... naming the kind of fact it is
 
 
+def test_react_oracle_acts_the_chain_out_in_one_growing_conversation(react_demos):
+    """ReAct's demonstrations: one conversation, a search per hop, and the same thought skeleton
+    with what it has found where the memory stood, after quoting what the latest results give."""
+    from toy import oracle
+
+    rows, trajectories, stats = react_demos
+    assert stats["offered"] == stats["kept"] == len(rows) and not stats["dropped"]
+    assert stats["conversations"] == len(rows)
+    for r, t in zip(rows, trajectories):
+        chain, comparison = r["metadata"]["chain"], r["metadata"]["type"] == "comparison"
+        assert t.reward == 1.0 and t.end_reason == "answer" and t.prediction == r["golden_answers"][0]
+        assert len(t.conversations) == 1 and t.num_searches == len(chain) and t.memory == ""
+        asks = "The question compares two things." if comparison else f"The question asks for the {oracle.KIND[chain[-1]['relation']]}."
+        searched = []
+        for k, turn in enumerate(t.turns):
+            assert turn["generation"].startswith("<think> ") == (k > 0)  # the first turn's <think> is prefilled
+            thought = " ".join(turn["generation"].replace("<think>", "").split("</think>")[0].split())
+            held = [h for h in chain if h["search"] in searched]
+            new = [h for h in held if h["search"] in (t.turns[k - 1].get("queries", []) if k else [])]
+            read, _, acted = thought.partition(asks)
+            assert acted and all(f"{oracle.KIND[h['relation']]}" in read and h["fact"] in read for h in new), thought
+            assert bool(read) == bool(new)
+            if not held:
+                skeleton = " Nothing is found yet, so I must search. "
+            else:
+                gives = ["one of two", "two of two"][len(held) - 1] if comparison else oracle.KIND[held[-1]["relation"]]
+                notes = " ".join(f"The {oracle.KIND[h['relation']]} of {h['search']}: {h['note']}" for h in held)
+                choice = "can answer" if len(held) == len(chain) else "must search"
+                skeleton = f" So far I found: {notes} That {'is' if comparison else 'gives the'} {gives}, so I {choice}. "
+            assert acted.startswith(skeleton), (acted, skeleton)
+            assert ("\\boxed{" in turn["generation"]) == (len(held) == len(chain))
+            searched += turn.get("queries", [])
+
+
+@pytest.mark.parametrize("which", ["memsearcher", "react"])
+def test_oracle_solves_at_least_95_percent_of_a_worlds_training_questions(which, toy, tokenizer):
+    """Every training question of the toy world, acted out by the oracle for either agent, with a
+    search tool that finds the passage titled as the query (retrieval's own misses aside:
+    `python toy/oracle.py --agent react --n 2000` measures them with the real retriever)."""
+    import agent
+    from toy import oracle
+
+    settings = agent.RolloutSettings(agent=which)
+    _, stats = oracle.make_demonstrations(toy["train"], fake_search(toy["corpus"]), tokenizer, settings, seed=0, batch_size=500)
+    assert stats["offered"] == 2000 and stats["kept"] >= 0.95 * 2000, stats
+    assert all(v["kept"] >= 0.95 * v["offered"] for v in stats["by_type"].values()), stats["by_type"]
+
+
 def test_oracle_kinds_tell_every_hop_of_a_bridge_apart(toy):
     """The oracle's choice "That gives the <kind>" = "asks for the <kind>" is right only if a bridge's
     first hop never gives what its last hop gives: true of every relation pair the worlds use."""
@@ -293,12 +352,15 @@ def sampled_spans(conversation):
     return spans
 
 
-def test_oracle_loss_masks_match_a_replayed_rollout(demos, toy, tokenizer):
+@pytest.mark.parametrize("which", ["memsearcher", "react"])
+def test_oracle_loss_masks_match_a_replayed_rollout(which, demos, react_demos, toy, tokenizer):
     """Replaying the demonstration's sampled tokens through agent.rollout gives the same prompts,
-    responses and loss masks: the oracle's samples are exactly what RL would record."""
+    responses and loss masks: the oracle's samples are exactly what RL would record, and every
+    tool response (with the assistant header after it) is hidden from the loss, for either agent."""
     import agent
 
-    rows, trajectories, _ = demos
+    rows, trajectories, _ = demos if which == "memsearcher" else react_demos
+    settings = agent.RolloutSettings(agent=which)
     end = tokenizer.convert_tokens_to_ids(agent.END_OF_TURN)
     for r, demo in zip(rows, trajectories):
         queue = [span for c in demo.conversations for span in sampled_spans(c)]
@@ -308,7 +370,7 @@ def test_oracle_loss_masks_match_a_replayed_rollout(demos, toy, tokenizer):
             outs = [queue.pop(0) for _ in prompts]
             return [agent.Generation(ids=ids, logprobs=[0.0] * len(ids), finished=True) for ids in outs]
 
-        (t,) = agent.rollout(None, tokenizer, [r], fake_search(toy["corpus"]), generate_fn=replay)
+        (t,) = agent.rollout(None, tokenizer, [r], fake_search(toy["corpus"]), settings, generate_fn=replay)
         assert not queue and t.reward == demo.reward == 1.0
         assert len(t.conversations) == len(demo.conversations)
         for c, d in zip(t.conversations, demo.conversations):
@@ -320,6 +382,11 @@ def test_oracle_loss_masks_match_a_replayed_rollout(demos, toy, tokenizer):
                     turn = tokenizer.decode(d.response_ids[k:stop], skip_special_tokens=False)
                     assert turn.startswith("\n<|im_start|>user\n<tool_response>"), turn
                     assert turn.endswith("<|im_start|>assistant\n"), turn
+            trained = tokenizer.decode([i for i, m in zip(d.response_ids, d.loss_mask) if m], skip_special_tokens=False)
+            assert "<tool_response>" not in trained and "Doc 1(Title:" not in trained
+        shown = sum(tokenizer.decode(d.response_ids, skip_special_tokens=False).count("<tool_response>") for d in demo.conversations)
+        assert shown == demo.num_searches >= 1  # every search's response is in a conversation, masked
+    assert any(len(d.conversations) == 1 and d.num_searches >= 2 for d in trajectories) == (which == "react")
 
 
 def test_oracle_drops_a_trajectory_whose_support_was_not_retrieved(toy, tokenizer):
@@ -421,6 +488,61 @@ def rl_worlds():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def compare_agents():
+    """toy/compare_agents.py as a module (it imports toy/rl_worlds.py by its bare name)."""
+    spec = importlib.util.spec_from_file_location("compare_agents", os.path.join(ROOT, "toy", "compare_agents.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_agents_compared_by_hand(tmp_path):
+    """toy/compare_agents.py's report from a results folder written by hand: in every world a bridge
+    (chain A -> B) and a single-hop question (C). MemSearcher goes from a malformed bridge to a right
+    one (F1 0 -> 1); ReAct from 0 to 0.5; single-hop questions are right throughout. Paired
+    MemSearcher - ReAct after GRPO: bridge +0.5, single 0, so +0.25 pooled over 6 questions. The
+    context at turn 3 is 310 tokens against ReAct's 1,300 (ratio 0.24); peak memory 2.0 vs 2.5 GB."""
+    cmp = compare_agents()
+
+    def q(qid, kind, f1, reward, queries, context):
+        return {"dataset": "test", "id": qid, "prediction": "x", "em": float(f1 == 1), "f1": f1, "acc": float(f1 == 1),
+                "reward": reward, "end_reason": "answer", "num_turns": len(context), "num_searches": sum(map(len, queries)),
+                "context_tokens": context, "type": kind, "chain": ["A", "B"] if kind == "bridge" else ["C"], "queries": queries}
+    single = q("s", "single", 1.0, 1.0, [["C"], []], [300, 310])
+    policies = {("memsearcher", 0): [q("b", "bridge", 0.0, 0.0, [["A"]], [300, 320]), single],
+                ("memsearcher", 8): [q("b", "bridge", 1.0, 1.0, [["A"], ["B"], []], [300, 320, 310]), single],
+                ("react", 0): [q("b", "bridge", 0.0, 0.1, [["A"], []], [300, 800]), single],
+                ("react", 8): [q("b", "bridge", 0.5, 0.5, [["A"], ["b"], []], [300, 800, 1300]), single]}
+    for world in cmp.WORLDS:
+        for (name, step), rows in policies.items():
+            cmp.write_jsonl(str(tmp_path / name / world / f"test-{step}.jsonl"), rows)
+        for name, peak in (("memsearcher", 2.0), ("react", 2.5)):
+            cmp.write_jsonl(str(tmp_path / name / world / "metrics.jsonl"), [{"phase": "warm_start", "step": 1}] + [
+                {"phase": "grpo", "step": s, "seconds_rollout": 60.0, "seconds_reference": 10.0, "seconds_update": 50.0,
+                 "peak_memory_gb": peak, "peak_update_gb": 1.0, "context_tokens_mean": 500} for s in (1, 2)])
+            cmp.write_json(str(tmp_path / name / world / "oracle.json"), {"offered": 2000, "kept": 1990 if name == "react" else 2000})
+    got = cmp.load_results(str(tmp_path), 8)
+    assert len(got["memsearcher", "pool", 8]) == 6 and ("react", "pool", 0) in got
+    d, (lo, hi) = cmp.paired(got["react", "pool", 8], got["memsearcher", "pool", 8])
+    assert d == pytest.approx(0.25) and 0 <= lo <= 0.25 <= hi <= 0.5
+    b = cmp.behaviour(got["react", "toy", 8])
+    assert b["format_valid"][0] == 1.0 and b["searches"][0] == 1.5 and b["types"]["bridge"]["hop2_searched"] == 1.0  # "b" names B
+    assert cmp.behaviour(got["memsearcher", "toy", 0])["format_valid"][0] == 0.5
+    assert cmp.context_by_turn(got["react", "pool", 8]) == {1: 300, 2: 555, 3: 1300}
+    goals = "\n".join(cmp.goals(got, str(tmp_path), 8))
+    assert "ReAct toy 1990/2000" in goals and "2000: **met**" in goals  # 99.5% >= 95%
+    assert "warm starts format-valid ≥ 0.8 on test" in goals and "MemSearcher toy 0.50" in goals and "ReAct seed3 1.00: **not met**" in goals
+    assert "+0.250 [+0.083, +0.417]" in goals and "(upper end ≥ 0): **met**" in goals  # the bootstrap over 3 x (0.5, 0)
+    assert "MemSearcher 310, ReAct 1300 tokens, ratio 0.24 (goal ≤ 0.5): **met**" in goals
+    assert "MemSearcher 2.00 GB, ReAct 2.50 GB: lower for MemSearcher: **met**" in goals and "120 s vs 120 s" in goals
+    assert goals.count("bridges search hop 2 0% → 100%, single-hop searches 1.00 → 1.00: yes") == 2  # both agents
+    table = "\n".join(cmp.table(got, 8))
+    assert "| pool (6 q) | MemSearcher | GRPO 8 steps | 1.00 |" in table
+    assert "| pool | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] |" in table  # EM: the bridge 1 - 0; F1: 1 - 0.5
+    cmp.plot(got, str(tmp_path), 8, str(tmp_path / "figures"))
+    assert {p.name for p in (tmp_path / "figures").iterdir()} == {"agents_context_per_turn.png", "agents_step_cost.png", "agents_f1.png"}
 
 
 def test_world_behaviour_by_type_by_hand():
@@ -574,6 +696,24 @@ def test_warm_start_lowers_heldout_nll_and_teaches_the_format(tiny_lm_dir, token
                                                         for m in (base, warm))
     assert nll_after < 0.8 * nll_before
     assert acc_before < 0.01 and acc_after > 0.3  # the demonstrated format, token by token, on unseen questions
+
+
+def test_react_runs_the_toy_recipe_warm_start_then_grpo(tiny_lm_dir, demo_world, tmp_path):
+    """train.py --agent react with the toy recipe: ReAct demonstrations (one conversation each) for
+    the warm start, the oracle in unsolved groups, then 2 GRPO steps, metrics and a checkpoint."""
+    train.main(warm_args(tiny_lm_dir, demo_world, tmp_path, agent="react", warm_start_steps=2, max_steps=2, batch_size=2,
+                         group_size=2, mini_batch_size=2, max_turns=3, max_new_tokens=24, oracle_per_group=1))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["phase"] for r in rows] == ["warm_start"] * 2 + ["grpo"] * 2
+    for r in rows[2:]:  # a tiny random model solves nothing: the oracle's ReAct trajectory joins each group;
+        # one conversation each: (4 sampled + 2 oracle) trained conversations per 4 sampled trajectories
+        assert r["oracle_trajectories"] == 2 and r["oracle_reward"] == 1.0 and r["conversations_per_trajectory"] == 1.5
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").exists()
+    assert json.load(open(tmp_path / "checkpoint-2" / "trainer_state.json"))["args"]["agent"] == "react"
+    oracle = [json.loads(line) for line in open(tmp_path / "samples.jsonl") if json.loads(line)["oracle"]]
+    assert oracle and all(len(s["conversations"]) == 1 and s["reward"] == 1.0 for s in oracle)
+    (c,) = oracle[0]["conversations"]  # one growing conversation: sampled turns trained, tool responses not
+    assert 0 < sum(c["loss_mask"]) < len(c["tokens"])
 
 
 def test_a_warm_start_mix_the_data_cannot_fill_fails_clearly(tiny_lm_dir, demo_world, tmp_path):

@@ -66,6 +66,18 @@ def newest_checkpoint(path: str) -> str:
     return found[-1] if found else path
 
 
+def trained_agent(name: str | None) -> str | None:
+    """The agent (memsearcher or react) a train.py checkpoint or output folder was trained as, read
+    from its trainer_state.json; None for anything else (the embedded default, a hub model)."""
+    if name in (None, "default"):
+        return None
+    state = os.path.join(newest_checkpoint(name), "trainer_state.json")
+    if not os.path.isfile(state):
+        return None
+    with open(state, encoding="utf-8") as f:
+        return (json.load(f).get("args") or {}).get("agent")
+
+
 def load(name: str | None = "default", dtype: torch.dtype = torch.float32, device=None, empty: bool = False):
     """(model, tokenizer) from any source: `default`/None (the embedded SmolLM2), a `.gguf` file, a
     Hugging Face name or folder (e.g. `Qwen/Qwen2.5-3B-Instruct`), a train.py checkpoint, a train.py

@@ -2,11 +2,15 @@
 
 The toy world records each question's reasoning chain (toy/make_toy.py: per hop, the entity to
 search, the fact sentence and its passage, the hop's answer). The oracle is a scripted policy that
-acts that chain out through `agent.rollout` itself, with the real search tool: each turn it reads
-the question and the memory from the prompt, searches the next hop's entity, writes the hop's fact
-(labelled with its kind) into the memory, keeping every earlier fact, and answers in \\boxed{} once
-the memory holds the whole chain. Its demonstrations are therefore `agent.Conversation`s with
-exactly the prompts, tool-response turns and loss masks that RL trains on.
+acts that chain out through `agent.rollout` itself, with the real search tool, for either agent:
+- MemSearcher: each turn it reads the question and the memory from the prompt, searches the next
+  hop's entity, writes the hop's fact (labelled with its kind) into the memory, keeping every
+  earlier fact, and answers in \\boxed{} once the memory holds the whole chain;
+- ReAct: in its one growing conversation it reads which hops it has searched so far from its own
+  earlier tool calls, quotes the fact each new result gives, and searches the next hop or answers
+  with the same thought skeleton (what it has found stands where the memory stood).
+Its demonstrations are therefore `agent.Conversation`s with exactly the prompts, tool-response
+turns and loss masks that RL trains on.
 
 A demonstration is kept only if it earns reward 1.0 and every hop's supporting passage was among
 the documents the search tool actually returned in that trajectory (so no memory states a fact the
@@ -17,7 +21,8 @@ agent never saw).
     rows = oracle.load_rows("data/toy/train.jsonl")
     trajectories, stats = oracle.make_demonstrations(rows[:300], retriever.open_retriever(), tokenizer)
 
-    python toy/oracle.py --n 300            # measure: how many demonstrations survive, and how fast
+    python toy/oracle.py --n 300                  # measure: how many demonstrations survive, and how fast
+    python toy/oracle.py --n 300 --agent react    # the same, acted out in ReAct's one growing conversation
 """
 from __future__ import annotations
 
@@ -132,7 +137,8 @@ def compare_reason(row: dict) -> str:
 class Oracle:
     """`agent.rollout`'s `generate_fn` for questions whose rows carry a reasoning chain.
 
-    Which hop comes next is read from the prompt (how many of the chain's facts the memory holds),
+    Which hop comes next is read from the prompt (how many of the chain's facts the memory holds;
+    ReAct: which hops its earlier tool calls searched),
     so one oracle serves any number of trajectories in any order. Only the wording is random.
     """
 
@@ -151,15 +157,18 @@ class Oracle:
         return outs
 
     def respond(self, text: str) -> str:
-        """The oracle's output for one decoded prompt: a first generation or a memory update."""
-        user = text.split(agent.START_OF_TURN + "user\n", 1)[1]
+        """The oracle's output for one decoded prompt: a first generation or a memory update
+        (MemSearcher, whose first user message holds a memory), or ReAct's next turn."""
+        user = text.split(agent.START_OF_TURN + "user\n", 1)[1].split(agent.END_OF_TURN)[0]
         question = re.search(r"<question>(.*?)</question>", user, re.S).group(1)
-        memory = re.search(r"<memory>(.*?)</memory>", user, re.S).group(1)
         row = self.rows.get(norm(question))
         if row is None:
             raise KeyError(f"the oracle has no chain for question {question.strip()!r}")
+        memory = re.search(r"<memory>(.*?)</memory>", user, re.S)
+        if memory is None:
+            return self.react_turn(row, text)
         chain = row["metadata"]["chain"]
-        held = [h for h in chain if norm(h["note"]) in norm(memory)]
+        held = [h for h in chain if norm(h["note"]) in norm(memory.group(1))]
         if text.rstrip().endswith(agent.THINK):  # first generation: reason, then search or answer
             lead = " " if text.endswith(agent.THINK) else ""  # "<think>" as released; tolerate "<think>\n"
             return lead + self.act(row, held)
@@ -168,16 +177,29 @@ class Oracle:
                    for body in re.findall(r"<tool_call>(.*?)</tool_call>", generation, re.S)]
         return self.update_memory(chain, held, queries)
 
-    def act(self, row: dict, held: list[dict]) -> str:
-        """Generation 1: search the next hop's entity, or answer once the memory holds every hop."""
+    def react_turn(self, row: dict, text: str) -> str:
+        """ReAct's turn: the hops searched so far are those its earlier tool calls named; it quotes
+        what the latest results give (as MemSearcher's memory update does), then acts on all of it."""
+        chain = row["metadata"]["chain"]
+        earlier = [re.findall(r"<tool_call>(.*?)</tool_call>", m, re.S) for m in text.split(agent.ASSISTANT_HEADER)[1:-1]]
+        queries = [[json.loads(body)["arguments"]["query"] for body in bodies] for bodies in earlier]
+        held = [h for h in chain if any(h["search"] in q for q in queries)]
+        found = [h for h in held if queries and h["search"] in queries[-1]]
+        read = "".join(self.rng.choice(MEMORY_THOUGHT).format(**h, kind=KIND[h["relation"]]) + " " for h in found)
+        lead = " " if text.endswith(agent.THINK) else "<think> "  # the first turn's <think> is prefilled
+        return lead + read + self.act(row, held, found_so_far=True)
+
+    def act(self, row: dict, held: list[dict], found_so_far: bool = False) -> str:
+        """Generation 1: search the next hop's entity, or answer once the memory (ReAct, with
+        `found_so_far`: what it has found) holds every hop."""
         chain, pick = row["metadata"]["chain"], self.rng.choice
         missing = [h for h in chain if h not in held]
         comparison = row["metadata"]["type"] == "comparison"
         thought = "The question compares two things. " if comparison else f"The question asks for the {KIND[chain[-1]['relation']]}. "
         if not held:
-            thought += "The memory is empty, so "
+            thought += "Nothing is found yet, so " if found_so_far else "The memory is empty, so "
         else:
-            thought += f"The memory says: {' '.join(labelled(h) for h in held)} "
+            thought += f"{'So far I found' if found_so_far else 'The memory says'}: {' '.join(labelled(h) for h in held)} "
             gives = f"is {COUNT[len(held)]} of two" if comparison else f"gives the {KIND[held[-1]['relation']]}"
             thought += f"That {gives}, so "
         if not missing:
@@ -317,6 +339,7 @@ def main(argv=None):
     ap.add_argument("--corpus", default=None, help="default: the corpus.jsonl beside --data")
     ap.add_argument("--n", type=int, default=300, help="the first n questions")
     ap.add_argument("--max_turns", type=int, default=5)
+    ap.add_argument("--agent", default="memsearcher", choices=["memsearcher", "react"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=1, help="print this many kept trajectories")
     args = ap.parse_args(argv)
@@ -328,7 +351,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     search = retriever.open_retriever(corpus=args.corpus or os.path.join(os.path.dirname(args.data), "corpus.jsonl"))
     rows = load_rows(args.data)[:args.n]
-    trajectories, stats = make_demonstrations(rows, search, tokenizer, agent.RolloutSettings(max_turns=args.max_turns),
+    trajectories, stats = make_demonstrations(rows, search, tokenizer, agent.RolloutSettings(max_turns=args.max_turns, agent=args.agent),
                                               seed=args.seed)
     for t in trajectories[:args.show]:
         for k, c in enumerate(t.conversations, 1):
