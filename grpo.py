@@ -12,11 +12,14 @@ per-token PPO objective with its own loss mask.
                              (pad_batch, response_logprobs)
     4. policy_loss           clipped surrogate (dual clip) + kl_coef * KL(k3) - entropy bonus
 
-    Speedups (exact; each enters the path above through one named call, whose docstring opens
-    with the plain code it replaces and names the test that proves the two equal):
-    5. selective_logprobs    the log-softmax of step 3, a chunk of rows at a time
+    Speedups (exact; each docstring opens with the plain code it replaces and names the test that
+    proves the two equal):
+    5. selective_logprobs    the log-softmax of step 3, a chunk of rows at a time; one call, in
+                             token_logprobs
     6. encode_prefixes       the prefixes conversations share (the system prompt; a group's
-                             turn-1 prompt), encoded once per pass instead of once per row
+                             turn-1 prompt), encoded once per pass instead of once per row; it
+                             enters step 3 as a `prefixes` argument of token_logprobs,
+                             micro_logprobs and response_logprobs (None or {}: the plain path)
 
 Pure tensor math: this file imports torch and the standard library only (and, lazily, the cache
 class of transformers for the shared prefix).
@@ -197,7 +200,7 @@ def policy_loss(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs=None
 
         loss = sum_t mask_t * l_t / num_tokens
 
-    `advantages` is [B] (one per conversation, broadcast over tokens) or [B, T]. `num_tokens`
+    `advantages` is [B] (one per conversation, the same on each of its tokens) or [B, T]. `num_tokens`
     defaults to mask.sum(). To get the token-mean of a whole batch split into micro-batches, pass
     every micro-batch the batch's trained-token count N and sum the losses (accumulate gradients).
     Under DDP, which *averages* gradients over W ranks, pass N_all_ranks / W instead (or pass

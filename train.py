@@ -6,7 +6,7 @@
     torchrun --nproc_per_node 2 train.py --max_steps 2          # two CPU processes (gloo)
 
 1. configuration: every hyperparameter, with the toy and the paper preset's value
-2. the training loop, `main`: rollout -> rewards -> group advantages -> broadcast ->
+2. the training loop, `main`: rollout -> rewards -> group advantages -> propagate ->
    old/reference log-probs -> PPO updates -> metrics and checkpoints
 3. the parts of a step: set-up, what flows (Batch), the log-prob passes, the optimizer update, metrics
 4. speedup (exact): the update's shared prefixes
@@ -166,21 +166,22 @@ def check_config(args, world_size, distributed_type=None, fsdp=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. The training loop: rollout -> rewards -> group advantages -> broadcast -> old/ref log-probs
+# 2. The training loop: rollout -> rewards -> group advantages -> propagate -> old/ref log-probs
 #    -> PPO updates -> log (each step's parts are the functions of section 3)
 # ---------------------------------------------------------------------------------------------
-def main(argv=None, generate_fn=None):
-    args = parse_args(argv)
+def start(args):
+    """Everything before the first step: the Accelerator, the questions, the search tool, the
+    models, the warm start (toy preset) and the resume. Returns what the loop works with."""
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     precision = runs.resolve_precision(args.mixed_precision)
     accelerator = runs.make_accelerator(multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
                                         log_with=args.report_to.split(",") if args.report_to else None,
                                         kwargs_handlers=runs.accelerator_settings(args))
-    rank, world = accelerator.process_index, accelerator.num_processes
-    check_config(args, world, accelerator.distributed_type, getattr(accelerator.state, "fsdp_plugin", None))
+    check_config(args, accelerator.num_processes, accelerator.distributed_type, getattr(accelerator.state, "fsdp_plugin", None))
     runs.check_shared_folder(accelerator, args.output_dir)  # on two machines: a shared file system
-    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}; precision: float32 trained weights, "
-                      f"{'no autocast' if precision == 'no' else precision + ' autocast'} (--mixed_precision {args.mixed_precision})")
+    accelerator.print(f"{accelerator.num_processes} process(es), {accelerator.distributed_type.value}; precision: float32 "
+                      f"trained weights, {'no autocast' if precision == 'no' else precision + ' autocast'} "
+                      f"(--mixed_precision {args.mixed_precision})")
     questions = load_questions(args.train_data)
     if len(questions) < args.batch_size:
         raise SystemExit(f"train.py: {args.train_data} has {len(questions)} questions, fewer than --batch_size {args.batch_size}")
@@ -192,7 +193,9 @@ def main(argv=None, generate_fn=None):
                                           device=accelerator.device if accelerator.device.type == "cuda" else "cpu")
     model, optimizer, tokenizer, reference, rollout_model = load_models(args, accelerator)
     sharded = rollout_model is not None  # FSDP: each rank rolls out with a full copy of the policy
-    policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
+    if args.shared_prefix and (accelerator.distributed_type == DistributedType.FSDP or accelerator.scaler is not None):
+        accelerator.print("train.py: the shared prefix is off in the update under FSDP and with an fp16 loss scaler "
+                          "(encode_shared_prefixes); the log-prob passes keep it")
     settings = rollout_settings(args)
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator.init_trackers("memsearcher", config={k: v for k, v in vars(args).items() if v is not None and k != "source"})
@@ -201,8 +204,15 @@ def main(argv=None, generate_fn=None):
         accelerator, model, optimizer, tokenizer, search, args, settings, log, update=optimizer_update, trim_logs=runs.trim_logs,
         save=lambda step, name: runs.save_checkpoint(accelerator, model, tokenizer, args, step, name),
         reset_reference=lambda: models.copy_policy_into(model, reference, sharded, accelerator))
-    start_step = runs.resume(accelerator, args)
+    return accelerator, questions, search, (model, optimizer, tokenizer, reference, rollout_model), settings, log
 
+
+def main(argv=None, generate_fn=None):
+    args = parse_args(argv)
+    accelerator, questions, search, (model, optimizer, tokenizer, reference, rollout_model), settings, log = start(args)
+    rank, world, start_step = accelerator.process_index, accelerator.num_processes, runs.resume(accelerator, args)
+    sharded = rollout_model is not None  # FSDP: each rank rolls out with a full copy of the policy
+    policy = rollout_model if sharded else accelerator.unwrap_model(model)  # generates, and gives old log-probs
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                disable=not accelerator.is_main_process, desc="steps")
     for step in bar:

@@ -2,6 +2,7 @@
 
     python bench/decode.py                          # this checkout: batch 1, 16, 64 x 100, 400, 1600 cached tokens
     python bench/decode.py --repo ../old_checkout   # the same, and another checkout's, in one run
+    python bench/decode.py --compile --batches 1 16 --contexts 400   # does torch.compile pay for the step here?
 
 A decode step is measured inside `agent.generate` itself (greedy, float32, the embedded default):
 a logits processor stamps the clock at every step, and the step is the median gap between stamps
@@ -95,9 +96,47 @@ def child(repo: str, batch: int, context: int, new_tokens: int, threads: int) ->
             "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
+def compiled_step(batch: int, context: int, new_tokens: int, threads: int) -> dict:
+    """One decode step of this checkout's default model with transformers' static cache, run as it
+    is and through `torch.compile` (fixed shapes): the median step of each, the compile time, and
+    whether the greedy tokens agree. Where the compiled step is not faster, compiling does not pay."""
+    sys.path.insert(0, ROOT)
+    import torch
+    from transformers import StaticCache
+
+    from tools import models
+    torch.set_num_threads(threads)
+    model, _ = models.load("default")
+    model.eval()
+    prompt = torch.randint(100, 40000, (batch, context), generator=torch.Generator().manual_seed(0))
+
+    def decode(step_fn) -> tuple[torch.Tensor, float]:
+        cache = StaticCache(config=model.config, max_cache_len=context + new_tokens + 1)
+        with torch.no_grad():
+            out = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(context))
+            token, tokens, times = out.logits[:, -1].argmax(-1, keepdim=True), [], []
+            for k in range(new_tokens):
+                t0 = time.perf_counter()
+                token = step_fn(token, cache, torch.tensor([context + k]))[:, -1].argmax(-1, keepdim=True)
+                times.append(time.perf_counter() - t0)
+                tokens.append(token)
+        return torch.cat(tokens, 1), statistics.median(times[2:])
+
+    def eager(ids, cache, position):
+        return model(input_ids=ids, past_key_values=cache, cache_position=position).logits
+
+    compiled = torch.compile(eager, dynamic=False)
+    plain_tokens, plain = decode(eager)
+    t0 = time.perf_counter()
+    decode(compiled)  # the first call compiles
+    compile_seconds = time.perf_counter() - t0
+    tokens, fast = decode(compiled)
+    return {"eager": plain, "compiled": fast, "compile_seconds": compile_seconds, "equal": torch.equal(tokens, plain_tokens)}
+
+
 def measure(repo: str, batch: int, context: int, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", repo, "--batches", str(batch), "--contexts", str(context),
-           "--new_tokens", str(args.new_tokens), "--threads", str(args.threads)]
+           "--new_tokens", str(args.new_tokens), "--threads", str(args.threads)] + ["--compile"] * args.compile
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     if done.returncode or not lines:
@@ -119,10 +158,22 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 400, 1600], help="cached tokens (the prompt's length)")
     ap.add_argument("--new_tokens", type=int, default=12, help="tokens per row; the steps after the first are timed")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--compile", action="store_true",
+                    help="instead: the decode step with a static cache, as it is and through torch.compile (does compiling pay here?)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.batches[0], args.contexts[0], args.new_tokens, args.threads)))
+        run = compiled_step if args.compile else lambda *a: child(args.child, *a)
+        print(json.dumps(run(args.batches[0], args.contexts[0], args.new_tokens, args.threads)))
+        return
+    if args.compile:
+        print(f"{cpu_name()}, {args.threads} threads; float32, greedy, static cache, {args.new_tokens} new tokens a row")
+        print("batch context | eager ms | compiled ms | eager / compiled | compile s | same tokens")
+        for batch in args.batches:
+            for context in args.contexts:
+                r = measure(ROOT, batch, context, args)
+                print(f"{batch:5d} {context:7d} | {r['eager'] * 1e3:8.1f} | {r['compiled'] * 1e3:11.1f} | "
+                      f"{r['eager'] / r['compiled']:15.2f}x | {r['compile_seconds']:9.0f} | {r['equal']}", flush=True)
         return
     repos = [("this", ROOT)] + ([("other", os.path.abspath(args.repo))] if args.repo else [])
     print(f"{cpu_name()}, {args.threads} threads; float32, greedy, {args.new_tokens} new tokens a row")

@@ -95,7 +95,7 @@ def test_policy_loss_masked_token_value_does_not_matter():
         assert all(math.isfinite(v) for v in m.values())
 
 
-def test_policy_loss_per_token_advantages_equal_broadcast():
+def test_policy_loss_per_token_advantages_equal_one_per_conversation():
     logp, old, adv, mask = _three_conversations()
     a, _ = policy_loss(logp, old, adv, mask)
     b, _ = policy_loss(logp, old, adv[:, None].expand(3, 2).clone(), mask)
