@@ -170,8 +170,8 @@ def check_config(args, world_size, distributed_type=None, fsdp=None):
 #    -> PPO updates -> log (each step's parts are the functions of section 3)
 # ---------------------------------------------------------------------------------------------
 def start(args):
-    """Everything before the first step: the Accelerator, the questions, the search tool, the
-    models, the warm start (toy preset) and the resume. Returns what the loop works with."""
+    """Everything before the first step but the resume: the Accelerator, the questions, the
+    search tool, the models and the warm start (toy preset). Returns what the loop works with."""
     multi_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1  # torchrun on CPUs: gloo
     precision = runs.resolve_precision(args.mixed_precision)
     accelerator = runs.make_accelerator(multi_cpu, mixed_precision=precision, project_dir=args.output_dir,  # trackers log there
