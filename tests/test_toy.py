@@ -543,6 +543,19 @@ def test_agents_compared_by_hand(tmp_path):
     assert "| pool | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] |" in table  # EM: the bridge 1 - 0; F1: 1 - 0.5
     cmp.plot(got, str(tmp_path), 8, str(tmp_path / "figures"))
     assert {p.name for p in (tmp_path / "figures").iterdir()} == {"agents_context_per_turn.png", "agents_step_cost.png", "agents_f1.png"}
+    # while ReAct has only toy: no pool for ReAct, the agents compared on toy alone, every verdict "so far"
+    for world in ("seed2", "seed3"):
+        for step in (0, 8):
+            (tmp_path / "react" / world / f"test-{step}.jsonl").unlink()
+    cmp.write_jsonl(str(tmp_path / "react" / "toy" / "test-8.jsonl"), policies["react", 8][:1])  # the bridge alone
+    goals = "\n".join(cmp.goals(cmp.load_results(str(tmp_path), 8), str(tmp_path), 8))
+    assert "pooled F1, MemSearcher − ReAct" not in goals and "ReAct's pooled gain" not in goals
+    assert "ReAct seed2" not in goals.split("\n")[1].split(":")[1]  # the warm starts on file: no ReAct seed2
+    assert ("after GRPO (toy): MemSearcher 310, ReAct 1300 tokens, ratio 0.24 (goal ≤ 0.5): **met** so far "
+            "(waiting on ReAct seed2, ReAct seed3)") in goals
+    assert "lower for MemSearcher: **met** so far (waiting on ReAct seed2, ReAct seed3)" in goals
+    with pytest.raises(SystemExit, match="no results folder"):
+        cmp.main(["report", "--results", str(tmp_path / "nowhere")])
 
 
 def test_world_behaviour_by_type_by_hand():

@@ -185,37 +185,44 @@ def table(got: dict, steps: int) -> list[str]:
 
 
 def goals(got: dict, results: str, steps: int) -> list[str]:
-    """Each goal of the comparison, met or not, from the figures on file (only what is complete)."""
-    say = lambda ok: "**met**" if ok else "**not met**"  # noqa: E731
+    """Each goal of the comparison, met or not, from the figures on file. While runs are missing, a
+    verdict says "so far" and names what it waits on; the agents are compared on the worlds both have."""
+    def say(ok: bool, missing: list[str]) -> str:
+        verdict = "**met**" if ok else "**not met**"
+        return verdict + (f" so far (waiting on {', '.join(missing)})" if missing else "")
+
+    def waiting(have) -> list[str]:
+        return [f"{NAMES[n]} {w}" for n in AGENTS for w in WORLDS if not have(n, w)]
+
     lines = []
     oracle = {(n, w): read_json(os.path.join(results, n, w, "oracle.json")) for n in AGENTS for w in WORLDS
               if os.path.isfile(os.path.join(results, n, w, "oracle.json"))}
     if oracle:
         shares = ", ".join(f"{NAMES[n]} {w} {o['kept']}/{o['offered']}" for (n, w), o in oracle.items())
         lines.append(f"- the oracle solves ≥ 95% of the training questions: {shares}: "
-                     f"{say(all(o['kept'] >= 0.95 * o['offered'] for o in oracle.values()))}")
+                     f"{say(all(o['kept'] >= 0.95 * o['offered'] for o in oracle.values()), waiting(lambda n, w: (n, w) in oracle))}")
     warm = {(n, w): behaviour(got[n, w, 0])["format_valid"][0] for n in AGENTS for w in WORLDS if (n, w, 0) in got}
     if warm:
         lines.append("- warm starts format-valid ≥ 0.8 on test: " + ", ".join(f"{NAMES[n]} {w} {v:.2f}" for (n, w), v in warm.items())
-                     + f": {say(min(warm.values()) >= 0.8)}")
+                     + f": {say(min(warm.values()) >= 0.8, waiting(lambda n, w: (n, w) in warm))}")
     if ("memsearcher", "pool", steps) in got and ("react", "pool", steps) in got:
         d, (lo, hi) = paired(got["react", "pool", steps], got["memsearcher", "pool", steps])
         lines.append(f"- pooled F1, MemSearcher − ReAct after GRPO: {d:+.3f} [{lo:+.3f}, {hi:+.3f}]; not below ReAct beyond "
-                     f"the interval (upper end ≥ 0): {say(hi >= 0)}; above it beyond the interval: {say(lo > 0)}")
-    late = {}
-    for name in AGENTS:
-        values = [n for w in WORLDS if (name, w, steps) in got for p in got[name, w, steps] for n in p["context_tokens"][2:]]
-        late[name] = mean(values) if values else None
-    if all(late.values()):
+                     f"the interval (upper end ≥ 0): {say(hi >= 0, [])}; above it beyond the interval: {say(lo > 0, [])}")
+    both = [w for w in WORLDS if all((n, w, steps) in got for n in AGENTS)]
+    missing = waiting(lambda n, w: (n, w, steps) in got)
+    if both:
+        late = {n: mean(k for w in both for p in got[n, w, steps] for k in p["context_tokens"][2:]) for n in AGENTS}
         ratio = late["memsearcher"] / late["react"]
-        lines.append(f"- mean context at turns ≥ 3 after GRPO: MemSearcher {late['memsearcher']:.0f}, ReAct {late['react']:.0f} "
-                     f"tokens, ratio {ratio:.2f} (goal ≤ 0.5): {say(ratio <= 0.5)}")
-    costs = {n: [c for w in WORLDS for c in step_costs(results, n, w)] for n in AGENTS}
+        lines.append(f"- mean context at turns ≥ 3 after GRPO ({', '.join(both)}): MemSearcher {late['memsearcher']:.0f}, "
+                     f"ReAct {late['react']:.0f} tokens, ratio {ratio:.2f} (goal ≤ 0.5): {say(ratio <= 0.5, missing)}")
+    costs = {n: [c for w in both for c in step_costs(results, n, w)] for n in AGENTS}
     if all(costs.values()):
         peak = {n: statistics.median(c["peak_gb"] for c in costs[n]) for n in AGENTS}
         wall = {n: statistics.median(c["seconds"] for c in costs[n]) for n in AGENTS}
-        lines.append(f"- peak memory of a GRPO step (median over steps, VmHWM): MemSearcher {peak['memsearcher']:.2f} GB, "
-                     f"ReAct {peak['react']:.2f} GB: lower for MemSearcher: {say(peak['memsearcher'] < peak['react'])}; "
+        lines.append(f"- peak memory of a GRPO step (median over steps, VmHWM; {', '.join(both)}): MemSearcher "
+                     f"{peak['memsearcher']:.2f} GB, ReAct {peak['react']:.2f} GB: lower for MemSearcher: "
+                     f"{say(peak['memsearcher'] < peak['react'], missing)}; "
                      f"wall time a step (median): {wall['memsearcher']:.0f} s vs {wall['react']:.0f} s")
     for name in AGENTS:
         if (name, "pool", steps) in got:
@@ -238,9 +245,10 @@ def plot(got: dict, results: str, steps: int, figures: str):
 
     os.makedirs(figures, exist_ok=True)
     colour = {"memsearcher": "tab:blue", "react": "tab:orange"}
+    both = [w for w in WORLDS if all((n, w, steps) in got for n in AGENTS)] or list(WORLDS)  # the same questions
     fig, ax = plt.subplots(figsize=(5.6, 3.6))  # the paper's Figure 3: context per turn
     for name in AGENTS:
-        preds = [p for w in WORLDS for p in got.get((name, w, steps), [])]
+        preds = [p for w in both for p in got.get((name, w, steps), [])]
         if preds:
             turns = context_by_turn(preds)
             ax.plot(list(turns), list(turns.values()), "o-", color=colour[name], label=f"{NAMES[name]} ({len(preds)} q)")
@@ -284,6 +292,8 @@ def plot(got: dict, results: str, steps: int, figures: str):
 
 
 def report(args):
+    if not os.path.isdir(args.results):
+        raise SystemExit(f"no results folder {args.results}: `compare_agents.py run --results {args.results}` writes it")
     got = load_results(args.results, args.steps)
     text = "\n".join(["## Test: each agent's warm start and GRPO policy", "", *table(got, args.steps), "",
                       "## Goals", "", *goals(got, args.results, args.steps), ""])
