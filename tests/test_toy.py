@@ -541,6 +541,10 @@ def test_agents_compared_by_hand(tmp_path):
     table = "\n".join(cmp.table(got, 8))
     assert "| pool (6 q) | MemSearcher | GRPO 8 steps | 1.00 |" in table
     assert "| pool | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] |" in table  # EM: the bridge 1 - 0; F1: 1 - 0.5
+    readme = cmp.readme_table(got, 8)
+    assert readme[0] == cmp.README_HEADER and len(readme) == 2 + 8  # 3 worlds and the pool, 2 agents
+    assert "| pool (6 q) | MemSearcher | 0.50 / 0.50 | 1.00 / 1.00 [1.00, 1.00] | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] |" in readme
+    assert "| toy (2 q) | ReAct | 0.50 / 0.50 | 0.50 / 0.75 [0.50, 1.00] | +0.250 [+0.000, +0.500] | – |" in readme
     cmp.plot(got, str(tmp_path), 8, str(tmp_path / "figures"))
     assert {p.name for p in (tmp_path / "figures").iterdir()} == {"agents_context_per_turn.png", "agents_step_cost.png", "agents_f1.png"}
     # while ReAct has only toy: no pool for ReAct, the agents compared on toy alone, every verdict "so far"

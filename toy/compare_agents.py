@@ -184,6 +184,26 @@ def table(got: dict, steps: int) -> list[str]:
     return lines
 
 
+README_HEADER = "| world | agent | EM / F1, warm start | EM / F1 after GRPO | F1 gain over warm start | F1, MemSearcher − ReAct |"
+
+
+def readme_table(got: dict, steps: int) -> list[str]:
+    """The README's results table (six columns): per world and pooled, each agent's warm start and
+    GRPO policy, its paired gain, and on MemSearcher's row the paired difference with ReAct."""
+    lines = [README_HEADER, "|" + " --- |" * 6]
+    for world in [*WORLDS, "pool"]:
+        for name in AGENTS:
+            if (name, world, 0) not in got or (name, world, steps) not in got:
+                continue
+            warm, trained = got[name, world, 0], got[name, world, steps]
+            b0, b1 = behaviour(warm), behaviour(trained)
+            other = got.get(("react", world, steps)) if name == "memsearcher" else None
+            versus = fmt(paired(other, trained), 3, signed=True) if other else "–"
+            lines.append(f"| {world} ({b1['n']} q) | {NAMES[name]} | {b0['em'][0]:.2f} / {b0['f1'][0]:.2f} | "
+                         f"{b1['em'][0]:.2f} / {fmt(b1['f1'])} | {fmt(paired(warm, trained), 3, signed=True)} | {versus} |")
+    return lines
+
+
 def goals(got: dict, results: str, steps: int) -> list[str]:
     """Each goal of the comparison, met or not, from the figures on file. While runs are missing, a
     verdict says "so far" and names what it waits on; the agents are compared on the worlds both have."""
@@ -296,7 +316,8 @@ def report(args):
         raise SystemExit(f"no results folder {args.results}: `compare_agents.py run --results {args.results}` writes it")
     got = load_results(args.results, args.steps)
     text = "\n".join(["## Test: each agent's warm start and GRPO policy", "", *table(got, args.steps), "",
-                      "## Goals", "", *goals(got, args.results, args.steps), ""])
+                      "## Goals", "", *goals(got, args.results, args.steps), "",
+                      "## The README's table", "", *readme_table(got, args.steps), ""])
     print(text)
     with open(os.path.join(args.results, "report.md"), "w", encoding="utf-8") as f:
         f.write(text)
