@@ -187,19 +187,27 @@ class Oracle:
         found = [h for h in held if queries and h["search"] in queries[-1]]
         read = "".join(self.rng.choice(MEMORY_THOUGHT).format(**h, kind=KIND[h["relation"]]) + " " for h in found)
         lead = " " if text.endswith(agent.THINK) else "<think> "  # the first turn's <think> is prefilled
-        return lead + read + self.act(row, held, found_so_far=True)
+        return lead + read + self.act(row, held, quoted=found)
 
-    def act(self, row: dict, held: list[dict], found_so_far: bool = False) -> str:
-        """Generation 1: search the next hop's entity, or answer once the memory (ReAct, with
-        `found_so_far`: what it has found) holds every hop."""
+    def act(self, row: dict, held: list[dict], quoted: list[dict] | None = None) -> str:
+        """Generation 1: search the next hop's entity, or answer once the memory holds every hop.
+        ReAct (`quoted`: the facts this turn has just quoted) has no memory: its facts are quoted in
+        its turns, so it names those found before this turn instead of restating them, keeping each
+        turn within the 128 tokens of the toy preset's --max_new_tokens."""
+        react = quoted is not None
         chain, pick = row["metadata"]["chain"], self.rng.choice
         missing = [h for h in chain if h not in held]
         comparison = row["metadata"]["type"] == "comparison"
         thought = "The question compares two things. " if comparison else f"The question asks for the {KIND[chain[-1]['relation']]}. "
         if not held:
-            thought += "Nothing is found yet, so " if found_so_far else "The memory is empty, so "
+            thought += "Nothing is found yet, so " if react else "The memory is empty, so "
         else:
-            thought += f"{'So far I found' if found_so_far else 'The memory says'}: {' '.join(labelled(h) for h in held)} "
+            if react:
+                before = [h for h in held if h not in quoted]
+                named = " and ".join(f"the {KIND[h['relation']]} of {h['search']}" for h in before)
+                thought += f"Before that I found {named}. " if before else ""
+            else:
+                thought += f"The memory says: {' '.join(labelled(h) for h in held)} "
             gives = f"is {COUNT[len(held)]} of two" if comparison else f"gives the {KIND[held[-1]['relation']]}"
             thought += f"That {gives}, so "
         if not missing:
