@@ -934,3 +934,32 @@ def test_the_warm_start_stays_float32_under_bf16(tiny_lm_dir, demo_world, tmp_pa
             AcceleratorState._reset_state(reset_partial_state=True)
     a, b = state(tmp_path / "no" / "warm_start"), state(tmp_path / "bf16" / "warm_start")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_agents_comparison_resumes_from_its_kept_files(tmp_path, monkeypatch):
+    """toy/compare_agents.py run skips every (world, agent) whose small files are all kept, even
+    with no run folder left (a fresh clone); the others go through oracle, training and the two
+    evaluations, in order, and their metrics are kept."""
+    cmp = compare_agents()
+    results, out, calls = tmp_path / "results", tmp_path / "runs", []
+    for name in cmp.AGENTS:  # toy is done for both agents, seed2 for MemSearcher; ReAct seed2 lacks its step-8 test
+        for world in ("toy", "seed2"):
+            for f in ("oracle.json", "metrics.jsonl", "test-0.jsonl", "test-8.jsonl"):
+                if not (name == "react" and world == "seed2" and f == "test-8.jsonl"):
+                    cmp.write_jsonl(str(results / name / world / f), [{"kept": True}])
+
+    def train(out_dir, world, steps, threads, run, extra):
+        calls.append(("train", run))
+        cmp.write_jsonl(os.path.join(out_dir, run, "metrics.jsonl"), [{"phase": "grpo", "step": steps}])
+    monkeypatch.setattr(cmp, "world_data", lambda out_dir, world: calls.append(("data", world)) or world)
+    monkeypatch.setattr(cmp, "oracle_counts", lambda world, name, data, path: calls.append(("oracle", f"{name}/{world}")))
+    monkeypatch.setattr(cmp, "train", train)
+    monkeypatch.setattr(cmp, "evaluate_policy", lambda model, data, out_dir, kept, threads: calls.append(("eval", os.path.relpath(model, out))))
+    cmp.main(["run", "--out", str(out), "--results", str(results), "--threads", "1"])
+    assert [c for c in calls if c[1].startswith("seed2") or "/seed2" in c[1]] == [
+        ("data", "seed2"), ("oracle", "react/seed2"), ("train", "react/seed2"),
+        ("eval", "react/seed2/warm_start"), ("eval", "react/seed2/checkpoint-8")]
+    assert not [c for c in calls if "toy" in c[1]]  # no world data, oracle, training or evaluation for toy
+    assert [c[1] for c in calls if c[0] == "train"] == ["react/seed2", "memsearcher/seed3", "react/seed3"]
+    assert cmp.read_jsonl(str(results / "react" / "seed2" / "metrics.jsonl")) == [{"phase": "grpo", "step": 8}]
+    assert cmp.finished(str(results / "memsearcher" / "toy"), 8) and not cmp.finished(str(results / "react" / "seed3"), 8)

@@ -79,11 +79,18 @@ def evaluate_policy(model: str, data: str, out_dir: str, kept: str, threads: int
         write_jsonl(kept, [slim(p, rows[str(p["id"])]) for p in read_jsonl(os.path.join(out_dir, "predictions.jsonl"))])
 
 
+def finished(kept: str, steps: int) -> bool:
+    """A (world, agent) whose small files are all kept is done: a clone that has them, and none of
+    the run folders, resumes after it."""
+    return all(os.path.isfile(os.path.join(kept, f)) for f in ("oracle.json", "metrics.jsonl", "test-0.jsonl", f"test-{steps}.jsonl"))
+
+
 def run(args):
     threads = args.threads or os.cpu_count() or 1
     for world in WORLDS:
-        data = world_data(args.out, world)
-        for name in args.agents:
+        todo = [name for name in args.agents if not finished(os.path.join(args.results, name, world), args.steps)]
+        data = world_data(args.out, world) if todo else None
+        for name in todo:
             kept = os.path.join(args.results, name, world)
             oracle_counts(world, name, data, os.path.join(kept, "oracle.json"))
             train(args.out, world, args.steps, threads, run=os.path.join(name, world), extra=("--agent", name))
