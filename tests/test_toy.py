@@ -327,7 +327,7 @@ def test_oracle_solves_at_least_95_percent_of_a_worlds_training_questions(which,
     assert stats["offered"] == 2000 and stats["kept"] >= 0.95 * 2000, stats
     assert all(v["kept"] >= 0.95 * v["offered"] for v in stats["by_type"].values()), stats["by_type"]
     # and their generations fit the toy preset's --max_new_tokens 128, but for a few double searches
-    # (ReAct's turns once restated every fact found: 8% of them ran past 128 and were cut on test)
+    # (ReAct's turns once restated every fact found: 8% ran past 128, and its warm start's answers were cut)
     lengths = [len(list(g)) for t in kept for c in t.conversations for m, g in itertools.groupby(c.loss_mask) if m]
     over = sum(n > 128 for n in lengths)
     assert over <= 0.002 * len(lengths), f"{over} of {len(lengths)} generations over 128 tokens"
