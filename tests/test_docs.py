@@ -16,6 +16,7 @@ import dataclasses
 import fnmatch
 import importlib
 import importlib.util
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -319,7 +320,21 @@ def make_problems(docs=DOCS) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("check", [flag_problems, path_problems, name_problems, link_problems, make_problems],
+def results_problems(readme=ROOT / "README.md", results=ROOT / "docs" / "agents") -> list[str]:
+    """The README's results table is the agents' comparison, made again from the evaluations kept
+    in docs/agents (toy/compare_agents.py readme_table): a figure copied by hand cannot drift."""
+    from toy import compare_agents
+    want = compare_agents.readme_table(compare_agents.load_results(str(results), compare_agents.STEPS), compare_agents.STEPS)
+    lines = readme.read_text(encoding="utf-8").split("\n")
+    if want[0] not in lines:
+        return [f"{rel(readme)}: no results table headed {want[0]}"]
+    start = lines.index(want[0])
+    have = [line for line in itertools.takewhile(lambda line: line.startswith("|"), lines[start:])]
+    return [f"{rel(readme)}:{start + k + 1}: the results table reads {h!r}; the kept evaluations give {w!r}"
+            for k, (h, w) in enumerate(itertools.zip_longest(have, want)) if h != w]
+
+
+@pytest.mark.parametrize("check", [flag_problems, path_problems, name_problems, link_problems, make_problems, results_problems],
                          ids=lambda c: c.__name__)
 def test_the_docs_say_what_the_code_does(check):
     problems = check()
@@ -365,3 +380,25 @@ def test_slugs_as_github_makes_them(tmp_path):
     doc = tmp_path / "a.md"
     doc.write_text("# Tries\n\n```\n# not a heading\n```\n\n## Tries\n")
     assert anchors(doc) == {"tries", "tries-1"}
+
+
+def test_a_results_figure_copied_by_hand_is_caught(tmp_path):
+    from toy import compare_agents
+    results = tmp_path / "agents"
+    for world in ("toy",):
+        for name in ("memsearcher",):
+            (results / name / world).mkdir(parents=True)
+    rows = [{"dataset": "toy", "id": str(i), "prediction": "x", "em": float(i % 2), "f1": float(i % 2), "acc": 0.0,
+             "reward": 0.0, "end_reason": "answer", "num_turns": 2, "num_searches": 1, "context_tokens": [10, 20],
+             "type": "single", "chain": ["a"], "queries": [["a"]]} for i in range(6)]
+    for step in (0, compare_agents.STEPS):
+        compare_agents.write_jsonl(str(results / "memsearcher" / "toy" / f"test-{step}.jsonl"), rows)
+    table = compare_agents.readme_table(compare_agents.load_results(str(results), compare_agents.STEPS), compare_agents.STEPS)
+    readme = tmp_path / "README.md"
+    readme.write_text("# r\n\n" + "\n".join(table) + "\n\nafter\n")
+    assert results_problems(readme, results) == []
+    readme.write_text("# r\n\n" + "\n".join(table).replace("0.50 / 0.50 |", "0.51 / 0.50 |", 1) + "\n")
+    assert [p.split(": ", 1)[1].split(";")[0] for p in results_problems(readme, results)] == [
+        f"the results table reads {table[2].replace('0.50 / 0.50 |', '0.51 / 0.50 |', 1)!r}"]
+    readme.write_text("# r\n")
+    assert results_problems(readme, results) == [f"README.md: no results table headed {table[0]}"]

@@ -34,6 +34,7 @@ from rl_worlds import EVAL_ARGS, WORLDS, fmt, sh, train, world_data  # noqa: E40
 AGENTS = ("memsearcher", "react")
 NAMES = {"memsearcher": "MemSearcher", "react": "ReAct"}
 TYPES = ("single", "bridge", "comparison")
+STEPS = 8  # GRPO steps of every run: the toy preset's --max_steps
 KEPT = ("dataset", "id", "prediction", "em", "f1", "acc", "reward", "end_reason", "num_turns", "num_searches", "context_tokens")
 
 
@@ -269,6 +270,7 @@ def plot(got: dict, results: str, steps: int, figures: str):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     os.makedirs(figures, exist_ok=True)
     colour = {"memsearcher": "tab:blue", "react": "tab:orange"}
@@ -279,7 +281,13 @@ def plot(got: dict, results: str, steps: int, figures: str):
         if preds:
             turns = context_by_turn(preds)
             ax.plot(list(turns), list(turns.values()), "o-", color=colour[name], label=f"{NAMES[name]} ({len(preds)} q)")
-    ax.set_xlabel("turn")
+            for k, value in turns.items():  # how many questions each mean is over: the late turns' are few
+                reached = sum(len(p["context_tokens"]) >= k for p in preds)
+                ax.annotate(f"{reached}", (k, value), textcoords="offset points", xytext=(0, 6), ha="center",
+                            fontsize=7, color=colour[name])
+    ax.set_xlabel("turn (beside each point: the questions that reached it)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.margins(y=0.15)
     ax.set_ylabel("context tokens at the turn's end (mean)")
     ax.set_title(f"test questions, policies after GRPO ({steps} steps)", fontsize=9)
     ax.legend(frameon=False)
@@ -298,6 +306,7 @@ def plot(got: dict, results: str, steps: int, figures: str):
     wall.set_ylabel("wall time of the step (min)")
     for a in (mem, wall):
         a.set_xlabel("GRPO step")
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     mem.legend(frameon=False, fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(figures, "agents_step_cost.png"), dpi=120)
@@ -364,7 +373,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join("runs", "agents"), help="run folders, evaluations, the new worlds' data")
     ap.add_argument("--results", default=None, help="the small files the report reads (default: OUT/results)")
     ap.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
-    ap.add_argument("--steps", type=int, default=8, help="GRPO steps (the toy preset's --max_steps)")
+    ap.add_argument("--steps", type=int, default=STEPS, help="GRPO steps (the toy preset's --max_steps)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads for training, and evaluation processes (0: all cores)")
     ap.add_argument("--figures", default=None, help="default: RESULTS")
     args = ap.parse_args(argv)
