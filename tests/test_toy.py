@@ -547,7 +547,9 @@ def test_agents_compared_by_hand(tmp_path):
     assert goals.count("bridges search hop 2 0% → 100%, single-hop searches 1.00 → 1.00: yes") == 2  # both agents
     table = "\n".join(cmp.table(got, 8))
     assert "| pool (6 q) | MemSearcher | GRPO 8 steps | 1.00 |" in table
-    assert "| pool | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] |" in table  # EM: the bridge 1 - 0; F1: 1 - 0.5
+    # warm starts alike (F1 0 and 1 for both); after GRPO EM: the bridge 1 - 0, F1: 1 - 0.5; gains 1 - 0.5 on the bridge
+    assert "| pool | +0.000 [+0.000, +0.000] | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] | +0.250 [+0.083, +0.417] |" in table
+    assert [g["f1"] for g in cmp.gains(got["react", "toy", 0], got["react", "toy", 8])] == [0.5, 0.0]
     readme = cmp.readme_table(got, 8)
     assert readme[0] == cmp.README_HEADER and len(readme) == 2 + 8  # 3 worlds and the pool, 2 agents
     assert "| pool (6 q) | MemSearcher | 0.50 / 0.50 | 1.00 / 1.00 [1.00, 1.00] | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] |" in readme

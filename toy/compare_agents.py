@@ -183,13 +183,23 @@ def table(got: dict, steps: int) -> list[str]:
                              f"{b['format_valid'][0]:.2f} | {fmt(b['em'])} | {fmt(b['f1'])} | {b['searches'][0]:.2f} | "
                              + " / ".join(f"{b['types'][k]['f1']:.2f}" for k in TYPES)
                              + f" | {diff} | {b['types']['bridge']['hop2_searched']:.0%} |")
-    lines += ["", f"MemSearcher − ReAct after GRPO ({steps} steps), paired over the same questions:", "",
-              "| world | EM | F1 |", "| --- | --- | --- |"]
+    lines += ["", "MemSearcher − ReAct, paired over the same questions: the warm starts, the policies after "
+              f"GRPO ({steps} steps), and what GRPO added to each (MemSearcher's gain − ReAct's):", "",
+              "| world | F1, warm starts | EM after GRPO | F1 after GRPO | F1 gain, MemSearcher's − ReAct's |", "|" + " --- |" * 5]
     for world in [*WORLDS, "pool"]:
-        a, b = got.get(("react", world, steps)), got.get(("memsearcher", world, steps))
-        if a and b:
-            lines.append(f"| {world} | {fmt(paired(a, b, 'em'), 3, signed=True)} | {fmt(paired(a, b), 3, signed=True)} |")
+        if all((n, world, s) in got for n in AGENTS for s in (0, steps)):
+            (r0, r1), (m0, m1) = ((got[n, world, 0], got[n, world, steps]) for n in AGENTS[::-1])
+            lines.append(f"| {world} | {fmt(paired(r0, m0), 3, signed=True)} | {fmt(paired(r1, m1, 'em'), 3, signed=True)} | "
+                         f"{fmt(paired(r1, m1), 3, signed=True)} | {fmt(paired(gains(r0, r1), gains(m0, m1)), 3, signed=True)} |")
     return lines
+
+
+def gains(warm: list[dict], trained: list[dict]) -> list[dict]:
+    """Per question, the trained policy's score minus its warm start's (so that two agents' gains
+    can be paired like two runs' scores)."""
+    before = {(p["dataset"], p["id"]): p for p in warm}
+    return [{"dataset": p["dataset"], "id": p["id"], **{m: p[m] - before[p["dataset"], p["id"]][m] for m in ("em", "f1", "acc")}}
+            for p in trained if (p["dataset"], p["id"]) in before]
 
 
 README_HEADER = "| world | agent | EM / F1, warm start | EM / F1 after GRPO | F1 gain over warm start | F1, MemSearcher − ReAct |"
