@@ -518,8 +518,8 @@ def test_agents_compared_by_hand(tmp_path):
                 "reward": reward, "end_reason": "answer", "num_turns": len(context), "num_searches": sum(map(len, queries)),
                 "context_tokens": context, "type": kind, "chain": ["A", "B"] if kind == "bridge" else ["C"], "queries": queries}
     single = q("s", "single", 1.0, 1.0, [["C"], []], [300, 310])
-    policies = {("memsearcher", 0): [q("b", "bridge", 0.0, 0.0, [["A"]], [300, 320]), single],
-                ("memsearcher", 8): [q("b", "bridge", 1.0, 1.0, [["A"], ["B"], []], [300, 320, 310]), single],
+    policies = {("memsearcher", 0): [dict(q("b", "bridge", 0.0, 0.0, [["A"]], [300, 320]), hop1_in_memory=False), single],
+                ("memsearcher", 8): [dict(q("b", "bridge", 1.0, 1.0, [["A"], ["B"], []], [300, 320, 310]), hop1_in_memory=True), single],
                 ("react", 0): [q("b", "bridge", 0.0, 0.1, [["A"], []], [300, 800]), single],
                 ("react", 8): [q("b", "bridge", 0.5, 0.5, [["A"], ["b"], []], [300, 800, 1300]), single]}
     for world in cmp.WORLDS:
@@ -547,6 +547,8 @@ def test_agents_compared_by_hand(tmp_path):
     assert goals.count("bridges search hop 2 0% → 100%, single-hop searches 1.00 → 1.00: yes") == 2  # both agents
     table = "\n".join(cmp.table(got, 8))
     assert "| pool (6 q) | MemSearcher | GRPO 8 steps | 1.00 |" in table
+    assert table.count("| – | 0% / 0% |") == 4 and table.count("| 100% / 100% |") == 4  # MemSearcher, each world and the pool
+    assert table.count("| – | – / 0% |") == 4 and table.count("| – / 100% |") == 4  # ReAct: no memory; its "b" names B
     # warm starts alike (F1 0 and 1 for both); after GRPO EM: the bridge 1 - 0, F1: 1 - 0.5; gains 1 - 0.5 on the bridge
     assert "| pool | +0.000 [+0.000, +0.000] | +0.500 [+0.167, +0.833] | +0.250 [+0.083, +0.417] | +0.250 [+0.083, +0.417] |" in table
     assert [g["f1"] for g in cmp.gains(got["react", "toy", 0], got["react", "toy", 8])] == [0.5, 0.0]
@@ -936,6 +938,37 @@ def test_the_warm_start_stays_float32_under_bf16(tiny_lm_dir, demo_world, tmp_pa
             AcceleratorState._reset_state(reset_partial_state=True)
     a, b = state(tmp_path / "no" / "warm_start"), state(tmp_path / "bf16" / "warm_start")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_agents_slim_predictions_by_hand(tmp_path):
+    """compare_agents keeps of each prediction what the report reads. On a bridge MemSearcher's
+    also says whether a memory held hop 1's answer (any turn's, case aside); ReAct's, with no
+    memory, and single-hop questions do not. The slim file is made again on every `run`, so a
+    change to `slim` reaches the kept files."""
+    cmp = compare_agents()
+    chain = [{"search": "Mabeland", "answer": "Ithstad"}, {"search": "Ithstad", "answer": "38,206"}]
+    rows = [{"id": "b", "metadata": {"type": "bridge", "chain": chain}},
+            {"id": "s", "metadata": {"type": "single", "chain": chain[:1]}}]
+
+    def p(qid, agent_name, memories):
+        turns = [{"queries": ["Mabeland"], **({"memory": m} if agent_name == "memsearcher" else {})} for m in memories]
+        return {"dataset": "toy", "id": qid, "prediction": "x", "em": 0.0, "f1": 0.0, "acc": 0.0, "reward": 0.1,
+                "end_reason": "answer", "num_turns": len(turns), "num_searches": 1, "context_tokens": [9] * len(turns),
+                "turns": turns, "run": {"agent": agent_name}, "question": "dropped"}
+    kept = cmp.slim(p("b", "memsearcher", ["nothing yet", "Capital: ITHSTAD."]), rows[0])
+    assert kept["hop1_in_memory"] is True and kept["chain"] == ["Mabeland", "Ithstad"] and kept["queries"] == [["Mabeland"]] * 2
+    assert "question" not in kept and "turns" not in kept and kept["type"] == "bridge"
+    assert cmp.slim(p("b", "memsearcher", ["Capital: unknown."]), rows[0])["hop1_in_memory"] is False
+    assert "hop1_in_memory" not in cmp.slim(p("b", "react", ["", ""]), rows[0])
+    assert "hop1_in_memory" not in cmp.slim(p("s", "memsearcher", ["Ithstad"]), rows[1])
+
+    data, out_dir, kept_path = tmp_path / "world", tmp_path / "eval", tmp_path / "kept" / "test-0.jsonl"
+    cmp.write_jsonl(str(data / "test.jsonl"), rows)
+    cmp.write_json(str(out_dir / "results.json"), {})  # evaluated already: evaluate_policy only slims
+    for memory, expected in (("Capital: Ithstad.", True), ("lost", False)):
+        cmp.write_jsonl(str(out_dir / "predictions.jsonl"), [p("b", "memsearcher", [memory]), p("s", "memsearcher", [memory])])
+        cmp.evaluate_policy("unused", str(data), str(out_dir), str(kept_path), 1)
+        assert [r.get("hop1_in_memory") for r in cmp.read_jsonl(str(kept_path))] == [expected, None]
 
 
 def test_agents_comparison_resumes_from_its_kept_files(tmp_path, monkeypatch):

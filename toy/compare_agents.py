@@ -20,6 +20,7 @@ counts. `report` needs only that folder. On a 2-core CPU one (world, agent) take
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -62,22 +63,26 @@ def oracle_counts(world: str, agent_name: str, data: str, path: str):
 
 def slim(prediction: dict, row: dict) -> dict:
     """A prediction cut to what the report reads: scores, ends, context sizes, each turn's queries,
-    and the question's type and chain entities (so the report needs no world files)."""
-    chain = row["metadata"]["chain"]
-    return {**{k: prediction[k] for k in KEPT}, "type": row["metadata"]["type"], "chain": [h["search"] for h in chain],
-            "queries": [t.get("queries", []) for t in prediction.get("turns") or []]}
+    and the question's type and chain entities (so the report needs no world files). For
+    MemSearcher on a bridge, also whether any of its memories held hop 1's answer (the entity its
+    second search needs)."""
+    chain, turns = row["metadata"]["chain"], prediction.get("turns") or []
+    out = {**{k: prediction[k] for k in KEPT}, "type": row["metadata"]["type"], "chain": [h["search"] for h in chain],
+           "queries": [t.get("queries", []) for t in turns]}
+    if out["type"] == "bridge" and prediction["run"]["agent"] == "memsearcher":
+        out["hop1_in_memory"] = any(chain[0]["answer"].lower() in (t.get("memory") or "").lower() for t in turns)
+    return out
 
 
 def evaluate_policy(model: str, data: str, out_dir: str, kept: str, threads: int):
     """evaluate.py on the world's 200 test questions (agent: as the checkpoint was trained), then
-    the slim copy of its predictions."""
+    the slim copy of its predictions (made again each time: cheap, and a change to `slim` reaches it)."""
     if not os.path.isfile(os.path.join(out_dir, "results.json")):
         sh([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(threads), os.path.join(ROOT, "evaluate.py"),
             "--model", model, "--data", os.path.join(data, "test.jsonl"), "--corpus", os.path.join(data, "corpus.jsonl"),
             "--output_dir", out_dir, *EVAL_ARGS])
-    if not os.path.isfile(kept):
-        rows = {str(r["id"]): r for r in read_jsonl(os.path.join(data, "test.jsonl"))}
-        write_jsonl(kept, [slim(p, rows[str(p["id"])]) for p in read_jsonl(os.path.join(out_dir, "predictions.jsonl"))])
+    rows = {str(r["id"]): r for r in read_jsonl(os.path.join(data, "test.jsonl"))}
+    write_jsonl(kept, [slim(p, rows[str(p["id"])]) for p in read_jsonl(os.path.join(out_dir, "predictions.jsonl"))])
 
 
 def finished(kept: str, steps: int) -> bool:
@@ -125,7 +130,13 @@ def behaviour(predictions: list[dict]) -> dict:
     bridges = [p for p in predictions if p["type"] == "bridge"]
     out["types"]["bridge"]["hop2_searched"] = mean(
         float(any(p["chain"][1].lower() in q.lower() for turn in p["queries"] for q in turn)) for p in bridges)
+    out["types"]["bridge"]["hop1_in_memory"] = mean(float(p["hop1_in_memory"]) for p in bridges if "hop1_in_memory" in p)
     return out
+
+
+def share(value: float) -> str:
+    """A share as a percentage; – where there is none (ReAct has no memory)."""
+    return "–" if math.isnan(value) else f"{value:.0%}"
 
 
 def paired(a: list[dict], b: list[dict], metric: str = "f1"):
@@ -171,7 +182,7 @@ def step_costs(results: str, name: str, world: str) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 def table(got: dict, steps: int) -> list[str]:
     lines = ["| world | agent | policy | format-valid | EM | F1 | searches | F1 single / bridge / comparison | "
-             "paired F1 − own warm start | bridges: hop 2 searched |", "|" + " --- |" * 10]
+             "paired F1 − own warm start | bridges: hop 1's answer in memory / hop 2 searched |", "|" + " --- |" * 10]
     for world in [*WORLDS, "pool"]:
         for name in AGENTS:
             for step in (0, steps):
@@ -182,7 +193,7 @@ def table(got: dict, steps: int) -> list[str]:
                 lines.append(f"| {world} ({b['n']} q) | {NAMES[name]} | {'warm start' if step == 0 else f'GRPO {steps} steps'} | "
                              f"{b['format_valid'][0]:.2f} | {fmt(b['em'])} | {fmt(b['f1'])} | {b['searches'][0]:.2f} | "
                              + " / ".join(f"{b['types'][k]['f1']:.2f}" for k in TYPES)
-                             + f" | {diff} | {b['types']['bridge']['hop2_searched']:.0%} |")
+                             + f" | {diff} | {share(b['types']['bridge']['hop1_in_memory'])} / {b['types']['bridge']['hop2_searched']:.0%} |")
     lines += ["", "MemSearcher − ReAct, paired over the same questions: the warm starts, the policies after "
               f"GRPO ({steps} steps), and what GRPO added to each (MemSearcher's gain − ReAct's):", "",
               "| world | F1, warm starts | EM after GRPO | F1 after GRPO | F1 gain, MemSearcher's − ReAct's |", "|" + " --- |" * 5]
